@@ -1,0 +1,215 @@
+"""Loads conf/config.yaml, overlays the user's file, and validates everything once at start-up.
+
+Every later stage receives a `ServingConfig` and can trust it: values have the right types and
+ranges, paths are absolute. A bad value stops start-up with one `ConfigError` line that names the
+key, instead of a Java stack trace minutes later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("config.yaml")
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+BUILD_JARS = PROJECT_ROOT / "build" / "jars"
+CONNECTOR_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar")
+HELPER_JAR = "cluster-serving-flink.jar"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the person who wrote the file."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap_servers: str
+    input_topic: str
+    result_topic: str
+    group_id: str
+    partitions: int
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    batch_size: int
+    max_delay_ms: int
+
+
+@dataclass(frozen=True)
+class FlinkConfig:
+    parallelism: int
+    rest_port: int
+    checkpoint_interval_ms: int
+    jars: tuple[Path, ...]
+
+    @property
+    def pipeline_jars(self) -> list[Path]:
+        """The connector jars plus the project's helper jar (key/value Kafka schemas)."""
+        return [*self.jars, BUILD_JARS / HELPER_JAR]
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_instance_bytes: int
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: ModelConfig
+    kafka: KafkaConfig
+    batching: BatchingConfig
+    flink: FlinkConfig
+    device: str
+    limits: LimitsConfig
+    source: Path | None = None
+
+    def check_files(self) -> None:
+        """Fails when the model or a jar is missing; separate so `init` can validate first."""
+        if not self.model.path.is_file():
+            raise ConfigError(f"model.path: model file not found: {self.model.path}")
+        for jar in self.flink.pipeline_jars:
+            if not jar.is_file():
+                raise ConfigError(
+                    f"flink.jars: jar not found: {jar} (run scripts/setup.sh, or list your "
+                    "own flink-connector-kafka and kafka-clients jars in flink.jars)"
+                )
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServingConfig:
+    """Defaults, then the file at `path`, then `overrides` (dotted keys such as 'kafka.input_topic')."""
+    raw = _read_yaml(DEFAULT_CONFIG_PATH)
+    base_dir = Path.cwd()
+    if path is not None:
+        path = Path(path).resolve()
+        _merge(raw, _read_yaml(path), prefix="")
+        base_dir = path.parent
+    for dotted, value in (overrides or {}).items():
+        _merge(raw, _nest(dotted, value), prefix="")
+    return _build(raw, base_dir, path)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    *parents, leaf = dotted.split(".")
+    nested: dict[str, Any] = {leaf: value}
+    for parent in reversed(parents):
+        nested = {parent: nested}
+    return nested
+
+
+def _merge(into: dict[str, Any], update: dict[str, Any], prefix: str) -> None:
+    """Overlays `update` on the defaults; unknown keys are refused so typos do not pass silently."""
+    for key, value in update.items():
+        name = f"{prefix}{key}"
+        if key not in into:
+            raise ConfigError(f"{name}: unknown key (known: {', '.join(sorted(into))})")
+        if isinstance(into[key], dict) and key != "properties":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: must be a mapping")
+            _merge(into[key], value, prefix=f"{name}.")
+        else:
+            into[key] = value
+
+
+def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingConfig:
+    model, kafka, batching, flink = raw["model"], raw["kafka"], raw["batching"], raw["flink"]
+    jars = _string_list(flink["jars"], "flink.jars") or [str(BUILD_JARS / jar) for jar in CONNECTOR_JARS]
+    device = raw["device"]
+    if device not in DEVICES:
+        raise ConfigError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
+    return ServingConfig(
+        model=ModelConfig(
+            path=_path(model["path"], "model.path", base_dir),
+            inputs=tuple(_string_list(model["inputs"], "model.inputs")),
+            outputs=tuple(_string_list(model["outputs"], "model.outputs")),
+        ),
+        kafka=KafkaConfig(
+            bootstrap_servers=_text(kafka["bootstrap_servers"], "kafka.bootstrap_servers"),
+            input_topic=_text(kafka["input_topic"], "kafka.input_topic"),
+            result_topic=_text(kafka["result_topic"], "kafka.result_topic"),
+            group_id=_text(kafka["group_id"], "kafka.group_id"),
+            partitions=_int(kafka["partitions"], "kafka.partitions", low=1),
+            properties=_properties(kafka["properties"]),
+        ),
+        batching=BatchingConfig(
+            batch_size=_int(batching["batch_size"], "batching.batch_size", low=1, high=65536),
+            max_delay_ms=_int(batching["max_delay_ms"], "batching.max_delay_ms", low=0, high=60_000),
+        ),
+        flink=FlinkConfig(
+            parallelism=_int(flink["parallelism"], "flink.parallelism", low=1, high=1024),
+            rest_port=_int(flink["rest_port"], "flink.rest_port", low=0, high=65535),
+            checkpoint_interval_ms=_int(
+                flink["checkpoint_interval_ms"], "flink.checkpoint_interval_ms", low=100
+            ),
+            jars=tuple(_path(jar, "flink.jars", base_dir) for jar in jars),
+        ),
+        device=device,
+        limits=LimitsConfig(
+            max_instance_bytes=_int(
+                raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024
+            )
+        ),
+        source=source,
+    )
+
+
+def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}: must be {bound}, got {value}")
+    return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{name}: must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _string_list(value: Any, name: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{name}: must be a list of strings, got {value!r}")
+    return [_text(item, name) for item in value]
+
+
+def _path(value: Any, name: str, base_dir: Path) -> Path:
+    path = Path(_text(value, name)).expanduser()
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+def _properties(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"kafka.properties: must be a mapping, got {value!r}")
+    return {str(key): str(item) for key, item in value.items()}

@@ -1,0 +1,432 @@
+"""Kafka protocol front for librdkafka's in-memory mock cluster.
+
+The mock cluster speaks enough of the Kafka protocol for librdkafka, but Java kafka-clients
+and kafka-python cannot use it directly: the mock's flexible (tagged-field) encodings do not
+parse in those clients, it has no CreateTopics/DeleteTopics, and ApiVersions v3+ requests get
+a reply that the clients reject. This front sits on a fixed 127.0.0.1 port between the clients
+and the mock, one upstream connection per client connection, and
+
+* answers ApiVersions v3+ itself with UNSUPPORTED_VERSION in the v0 format (what a real
+  broker does), so clients retry with v2, which is forwarded;
+* rewrites the forwarded ApiVersions reply so that every API is capped at its highest
+  non-flexible version (``FORWARDED_VERSIONS``) and lists the APIs the front serves itself;
+* answers CreateTopics and DeleteTopics itself through a ``TopicAdmin`` (the mock's topic
+  functions);
+* caps the session timeout in JoinGroup requests, because the mock holds every rebalance
+  after the first for the session timeout minus one second;
+* forwards everything else byte for byte.
+
+Replies go back in request order, as Kafka clients require, even when the front answers a
+request itself while earlier ones are still with the mock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+PRODUCE = 0
+JOIN_GROUP = 11
+API_VERSIONS = 18
+CREATE_TOPICS = 19
+DELETE_TOPICS = 20
+
+NONE = 0
+UNKNOWN_TOPIC_OR_PARTITION = 3
+INVALID_TOPIC_EXCEPTION = 17
+UNSUPPORTED_VERSION = 35
+INVALID_PARTITIONS = 37
+
+# Highest ApiVersions version whose reply the front can rewrite (v3 is flexible).
+API_VERSIONS_MAX = 2
+
+# APIs forwarded to the mock, each capped at its highest non-flexible version (roughly the
+# Kafka 2.1 protocol). The advertised range is the intersection with what the mock reports,
+# so APIs missing from the mock's reply are not advertised. Everything the mock offers that
+# is not listed here (KIP-848 and share groups, telemetry) is hidden from clients.
+FORWARDED_VERSIONS: dict[int, tuple[int, int]] = {
+    PRODUCE: (0, 7),
+    1: (0, 10),  # Fetch
+    2: (0, 5),  # ListOffsets
+    3: (0, 7),  # Metadata
+    8: (0, 6),  # OffsetCommit
+    9: (0, 5),  # OffsetFetch
+    10: (0, 2),  # FindCoordinator
+    JOIN_GROUP: (0, 4),
+    12: (0, 2),  # Heartbeat
+    13: (0, 2),  # LeaveGroup
+    14: (0, 2),  # SyncGroup
+    API_VERSIONS: (0, API_VERSIONS_MAX),
+    22: (0, 1),  # InitProducerId
+    23: (0, 2),  # OffsetForLeaderEpoch (the mock serves v2 only)
+    24: (0, 1),  # AddPartitionsToTxn
+    25: (0, 1),  # AddOffsetsToTxn
+    26: (0, 1),  # EndTxn
+    28: (0, 2),  # TxnOffsetCommit
+}
+
+# APIs the front answers itself; v4 of CreateTopics is the last non-flexible one.
+LOCAL_VERSIONS: dict[int, tuple[int, int]] = {
+    CREATE_TOPICS: (0, 4),
+    DELETE_TOPICS: (0, 3),
+}
+
+# Partition count for CreateTopics v4 requests that leave it to the broker (-1), as Kafka's
+# own num.partitions default.
+DEFAULT_PARTITIONS = 1
+
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+_MAX_FRAME = 100 * 1024 * 1024
+
+T = TypeVar("T")
+
+
+class TopicAdmin(Protocol):
+    """Topic operations the front delegates to the cluster behind it."""
+
+    def create_topic(self, name: str, partitions: int) -> int:
+        """Create a topic; return a Kafka error code (0 on success)."""
+
+    def delete_topic(self, name: str) -> int:
+        """Delete a topic; return a Kafka error code (0 on success)."""
+
+
+class _Reader:
+    """Sequential big-endian reader for non-flexible Kafka encodings."""
+
+    def __init__(self, data: bytes, offset: int = 0) -> None:
+        self.data = data
+        self.offset = offset
+
+    def _unpack(self, fmt: str) -> int:
+        (value,) = struct.unpack_from(fmt, self.data, self.offset)
+        self.offset += struct.calcsize(fmt)
+        return value
+
+    def int8(self) -> int:
+        return self._unpack(">b")
+
+    def int16(self) -> int:
+        return self._unpack(">h")
+
+    def int32(self) -> int:
+        return self._unpack(">i")
+
+    def string(self) -> str | None:
+        length = self.int16()
+        if length < 0:
+            return None
+        value = self.data[self.offset : self.offset + length].decode()
+        self.offset += length
+        return value
+
+    def array(self, read_item: Callable[[], T]) -> list[T]:
+        count = self.int32()
+        return [read_item() for _ in range(max(count, 0))]
+
+
+def _string(value: str | None) -> bytes:
+    if value is None:
+        return struct.pack(">h", -1)
+    encoded = value.encode()
+    return struct.pack(">h", len(encoded)) + encoded
+
+
+def _array(items: list[bytes]) -> bytes:
+    return struct.pack(">i", len(items)) + b"".join(items)
+
+
+@dataclass(frozen=True)
+class RequestHeader:
+    """Request header v1 (api_key, api_version, correlation_id, client_id)."""
+
+    api_key: int
+    api_version: int
+    correlation_id: int
+    body_offset: int
+
+    @classmethod
+    def parse(cls, frame: bytes) -> RequestHeader:
+        reader = _Reader(frame)
+        api_key, api_version, correlation_id = reader.int16(), reader.int16(), reader.int32()
+        reader.string()  # client_id
+        return cls(api_key, api_version, correlation_id, reader.offset)
+
+    def body(self, frame: bytes) -> _Reader:
+        return _Reader(frame, self.body_offset)
+
+
+def encode_api_versions(
+    version: int, error: int, apis: dict[int, tuple[int, int]], throttle_ms: int = 0
+) -> bytes:
+    """ApiVersions response body, v0-v2 (also the v0 fallback for newer requests)."""
+    entries = [struct.pack(">hhh", key, lo, hi) for key, (lo, hi) in sorted(apis.items())]
+    body = struct.pack(">h", error) + _array(entries)
+    if version >= 1:
+        body += struct.pack(">i", throttle_ms)
+    return body
+
+
+def decode_api_versions(version: int, body: bytes) -> tuple[int, dict[int, tuple[int, int]], int]:
+    """Parse an ApiVersions v0-v2 response body into (error, {key: (min, max)}, throttle)."""
+    reader = _Reader(body)
+    error = reader.int16()
+    entries = reader.array(lambda: (reader.int16(), reader.int16(), reader.int16()))
+    throttle_ms = reader.int32() if version >= 1 else 0
+    return error, {key: (lo, hi) for key, lo, hi in entries}, throttle_ms
+
+
+def advertised_versions(upstream: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Intersect the mock's API ranges with the caps and add the APIs served locally."""
+    apis = dict(LOCAL_VERSIONS)
+    for key, (cap_lo, cap_hi) in FORWARDED_VERSIONS.items():
+        if key in upstream:
+            lo, hi = max(upstream[key][0], cap_lo), min(upstream[key][1], cap_hi)
+            if lo <= hi:
+                apis[key] = (lo, hi)
+    return apis
+
+
+def produce_expects_response(header: RequestHeader, frame: bytes) -> bool:
+    """Produce with acks=0 gets no response, so no reply slot may wait for one."""
+    body = header.body(frame)
+    if header.api_version >= 3:
+        body.string()  # transactional_id
+    return body.int16() != 0
+
+
+def cap_join_group_session_timeout(header: RequestHeader, frame: bytes, cap_ms: int) -> bytes:
+    """Return the JoinGroup request with session_timeout_ms lowered to at most ``cap_ms``.
+
+    session_timeout_ms directly follows group_id in every JoinGroup version the front
+    advertises, so it is patched in place.
+    """
+    body = header.body(frame)
+    body.string()  # group_id
+    session_timeout_ms = struct.unpack_from(">i", frame, body.offset)[0]
+    if session_timeout_ms <= cap_ms:
+        return frame
+    patched = bytearray(frame)
+    struct.pack_into(">i", patched, body.offset, cap_ms)
+    return bytes(patched)
+
+
+def _topic_name_error(name: str) -> int:
+    if name in (".", "..") or not _TOPIC_NAME.fullmatch(name):
+        return INVALID_TOPIC_EXCEPTION
+    return NONE
+
+
+def _error_message(error: int) -> str | None:
+    messages = {
+        INVALID_TOPIC_EXCEPTION: "Invalid topic name",
+        INVALID_PARTITIONS: "Number of partitions must be larger than 0",
+        36: "Topic already exists",
+    }
+    return messages.get(error, None if error == NONE else f"Kafka error {error}")
+
+
+def handle_create_topics(admin: TopicAdmin, header: RequestHeader, frame: bytes) -> bytes:
+    """Serve CreateTopics v0-v4 through ``admin``.
+
+    Replication factor, replica assignments and topic configs are accepted and ignored: the
+    mock has one broker and no topic configs.
+    """
+    reader = header.body(frame)
+
+    def read_topic() -> tuple[str, int, int]:
+        name = reader.string() or ""
+        partitions = reader.int32()
+        reader.int16()  # replication_factor
+        assignments = reader.array(lambda: (reader.int32(), reader.array(reader.int32)))
+        reader.array(lambda: (reader.string(), reader.string()))  # configs
+        return name, partitions, len(assignments)
+
+    topics = reader.array(read_topic)
+    reader.int32()  # timeout_ms
+    validate_only = header.api_version >= 1 and reader.int8() != 0
+
+    results = []
+    for name, partitions, assigned in topics:
+        partitions = assigned or (DEFAULT_PARTITIONS if partitions == -1 else partitions)
+        error = _topic_name_error(name) or (INVALID_PARTITIONS if partitions <= 0 else NONE)
+        if not error and not validate_only:
+            error = admin.create_topic(name, partitions)
+        entry = _string(name) + struct.pack(">h", error)
+        if header.api_version >= 1:
+            entry += _string(_error_message(error))
+        results.append(entry)
+
+    throttle = struct.pack(">i", 0) if header.api_version >= 2 else b""
+    return throttle + _array(results)
+
+
+def handle_delete_topics(admin: TopicAdmin, header: RequestHeader, frame: bytes) -> bytes:
+    """Serve DeleteTopics v0-v3 through ``admin``."""
+    reader = header.body(frame)
+    names = reader.array(lambda: reader.string() or "")
+    results = [_string(name) + struct.pack(">h", admin.delete_topic(name)) for name in names]
+    throttle = struct.pack(">i", 0) if header.api_version >= 1 else b""
+    return throttle + _array(results)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """Read one size-prefixed Kafka frame; None on a clean end of stream."""
+    try:
+        size_bytes = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as eof:
+        if eof.partial:
+            raise
+        return None
+    (size,) = struct.unpack(">i", size_bytes)
+    if not 0 <= size <= _MAX_FRAME:
+        raise ValueError(f"bad Kafka frame size {size}")
+    return await reader.readexactly(size)
+
+
+def _write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
+    writer.write(struct.pack(">i", len(payload)) + payload)
+
+
+class _Connection:
+    """One client connection and its upstream connection to the mock."""
+
+    def __init__(
+        self,
+        front: KafkaFront,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
+        self._front = front
+        self._client_reader, self._client_writer = client
+        self._upstream_reader, self._upstream_writer = upstream
+        # Requests forwarded to the mock and awaiting its response, by correlation id.
+        self._pending: dict[int, tuple[RequestHeader, asyncio.Future[bytes]]] = {}
+        # One reply per request that expects one, in request order.
+        self._replies: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
+
+    async def run(self) -> None:
+        tasks = [
+            asyncio.create_task(self._pump_requests()),
+            asyncio.create_task(self._pump_upstream()),
+            asyncio.create_task(self._pump_replies()),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    log.info("client connection ended: %r", task.exception())
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for writer in (self._client_writer, self._upstream_writer):
+                writer.close()
+
+    async def _pump_requests(self) -> None:
+        while (frame := await _read_frame(self._client_reader)) is not None:
+            header = RequestHeader.parse(frame)
+            local_reply = self._local_reply(header, frame)
+            if local_reply is not None:
+                self._queue_reply(header, local_reply)
+                continue
+            if header.api_key == JOIN_GROUP:
+                frame = cap_join_group_session_timeout(
+                    header, frame, self._front.session_timeout_cap_ms
+                )
+            if header.api_key != PRODUCE or produce_expects_response(header, frame):
+                future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+                self._pending[header.correlation_id] = (header, future)
+                self._replies.put_nowait(future)
+            _write_frame(self._upstream_writer, frame)
+            await self._upstream_writer.drain()
+
+    def _local_reply(self, header: RequestHeader, frame: bytes) -> bytes | None:
+        """Body of the reply the front gives itself, or None to forward the request."""
+        if header.api_key == API_VERSIONS and header.api_version > API_VERSIONS_MAX:
+            return encode_api_versions(
+                0, UNSUPPORTED_VERSION, {API_VERSIONS: FORWARDED_VERSIONS[API_VERSIONS]}
+            )
+        if header.api_key == CREATE_TOPICS:
+            return handle_create_topics(self._front.admin, header, frame)
+        if header.api_key == DELETE_TOPICS:
+            return handle_delete_topics(self._front.admin, header, frame)
+        return None
+
+    def _queue_reply(self, header: RequestHeader, body: bytes) -> None:
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        future.set_result(struct.pack(">i", header.correlation_id) + body)
+        self._replies.put_nowait(future)
+
+    async def _pump_upstream(self) -> None:
+        while (frame := await _read_frame(self._upstream_reader)) is not None:
+            (correlation_id,) = struct.unpack_from(">i", frame)
+            header, future = self._pending.pop(correlation_id)
+            if header.api_key == API_VERSIONS:
+                frame = frame[:4] + self._rewrite_api_versions(header.api_version, frame[4:])
+            future.set_result(frame)
+        raise ConnectionError("mock broker closed the connection")
+
+    @staticmethod
+    def _rewrite_api_versions(version: int, body: bytes) -> bytes:
+        error, upstream, throttle_ms = decode_api_versions(version, body)
+        if error != NONE:
+            return body
+        return encode_api_versions(version, NONE, advertised_versions(upstream), throttle_ms)
+
+    async def _pump_replies(self) -> None:
+        while True:
+            reply = await (await self._replies.get())
+            _write_frame(self._client_writer, reply)
+            await self._client_writer.drain()
+
+
+class KafkaFront:
+    """TCP listener that makes the mock cluster usable by Java and Python Kafka clients."""
+
+    def __init__(
+        self, admin: TopicAdmin, upstream: tuple[str, int], session_timeout_cap_ms: int
+    ) -> None:
+        self.admin = admin
+        self.session_timeout_cap_ms = session_timeout_cap_ms
+        self._upstream = upstream
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (port 0 picks a free one); return the bound port."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening and drop every client connection."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            upstream = await asyncio.open_connection(*self._upstream)
+        except OSError as error:
+            log.error("cannot reach the mock cluster for a client connection: %s", error)
+            writer.close()
+            self._connections.discard(task)
+            return
+        try:
+            await _Connection(self, (reader, writer), upstream).run()
+        finally:
+            self._connections.discard(task)

@@ -1,0 +1,311 @@
+"""In-memory Kafka broker for local development and tests.
+
+This is NOT a Kafka server: it is librdkafka's in-memory mock cluster (shipped inside the
+confluent-kafka wheel, reached through ctypes) behind a small protocol front
+(``connectors.kafka_front``) that lets Java kafka-clients and kafka-python talk to it. All
+data lives in memory and is lost when the process exits. Production deployments point
+``kafka.bootstrap_servers`` at a real Kafka cluster instead.
+
+What works: topic creation (CreateTopics, the ``--topic`` option, or automatic creation with
+the mock's default of 4 partitions when a client asks Metadata for an unknown topic with
+auto-creation allowed), deletion (DeleteTopics), produce (acks 0/1/all, idempotent and
+transactional producers), fetch, consumer groups with committed offsets. Not served:
+DescribeGroups, ListGroups, DescribeConfigs, SASL, TLS and every other admin API.
+
+Run it in the foreground::
+
+    python -m connectors.local_broker --port 9092 --topic requests:3
+
+or from Python, always as a separate process::
+
+    with LocalBroker(topics={"requests": 3}) as broker:
+        KafkaProducer(bootstrap_servers=broker.bootstrap_servers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import glob
+import importlib.util
+import ipaddress
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from connectors.kafka_front import KafkaFront
+
+log = logging.getLogger("connectors.local_broker")
+
+READY_PREFIX = "local broker ready on "
+
+BROKER_ID = 1
+# The mock waits this long after the first member joins an empty group before it elects a
+# leader, so that members starting together land in one generation (Kafka's default is 3 s).
+INITIAL_REBALANCE_DELAY_MS = 500
+# Every later rebalance lasts the group's session timeout minus one second in the mock, so
+# JoinGroup session timeouts are capped (Java's default is 45 s). Heartbeats every 3 s
+# (both clients' default) keep members well inside this.
+SESSION_TIMEOUT_CAP_MS = 10_000
+
+_RD_KAFKA_PRODUCER = 0
+_REQUIRED_SYMBOLS = (
+    "rd_kafka_mock_cluster_new",
+    "rd_kafka_mock_cluster_bootstraps",
+    "rd_kafka_mock_broker_set_host_port",
+    "rd_kafka_mock_set_controller_id",
+    "rd_kafka_mock_group_initial_rebalance_delay_ms",
+    "rd_kafka_mock_topic_create",
+    "rd_kafka_mock_topic_delete",
+)
+
+
+def _load_librdkafka() -> ctypes.CDLL:
+    """Load the librdkafka bundled in the confluent-kafka wheel and declare what we call."""
+    spec = importlib.util.find_spec("confluent_kafka")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("confluent-kafka is not installed; it carries the mock cluster")
+    libs_dir = Path(spec.origin).parent.parent / "confluent_kafka.libs"
+    candidates = sorted(glob.glob(str(libs_dir / "librdkafka*.so*")))
+    if not candidates:
+        raise RuntimeError(f"no librdkafka shared library in {libs_dir}")
+    lib = ctypes.CDLL(candidates[0])
+
+    lib.rd_kafka_version_str.restype = ctypes.c_char_p
+    missing = [name for name in _REQUIRED_SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        version = lib.rd_kafka_version_str().decode()
+        raise RuntimeError(f"librdkafka {version} lacks {', '.join(missing)}; upgrade confluent-kafka")
+
+    c_void_p, c_char_p, c_int, c_int32 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int32
+    signatures = {
+        "rd_kafka_conf_new": (c_void_p, []),
+        "rd_kafka_conf_set": (c_int, [c_void_p, c_char_p, c_char_p, c_char_p, ctypes.c_size_t]),
+        "rd_kafka_new": (c_void_p, [c_int, c_void_p, c_char_p, ctypes.c_size_t]),
+        "rd_kafka_destroy": (None, [c_void_p]),
+        "rd_kafka_mock_cluster_new": (c_void_p, [c_void_p, c_int]),
+        "rd_kafka_mock_cluster_destroy": (None, [c_void_p]),
+        "rd_kafka_mock_cluster_bootstraps": (c_char_p, [c_void_p]),
+        "rd_kafka_mock_broker_set_host_port": (None, [c_void_p, c_int32, c_char_p, c_int]),
+        "rd_kafka_mock_set_controller_id": (None, [c_void_p, c_int32]),
+        "rd_kafka_mock_group_initial_rebalance_delay_ms": (None, [c_void_p, c_int32]),
+        "rd_kafka_mock_topic_create": (c_int, [c_void_p, c_char_p, c_int, c_int]),
+        "rd_kafka_mock_topic_delete": (c_int, [c_void_p, c_char_p]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+class MockCluster:
+    """A one-broker librdkafka mock cluster.
+
+    librdkafka only creates a mock cluster on behalf of a client handle, so an idle producer
+    handle (never connected anywhere) owns it.
+    """
+
+    def __init__(self, initial_rebalance_delay_ms: int = INITIAL_REBALANCE_DELAY_MS) -> None:
+        self._lib = _load_librdkafka()
+        errstr = ctypes.create_string_buffer(512)
+        conf = self._lib.rd_kafka_conf_new()
+        # Hide the owner handle's notice that it has no bootstrap.servers.
+        self._lib.rd_kafka_conf_set(conf, b"log_level", b"4", errstr, len(errstr))
+        self._rk = self._lib.rd_kafka_new(_RD_KAFKA_PRODUCER, conf, errstr, len(errstr))
+        if not self._rk:
+            raise RuntimeError(f"rd_kafka_new failed: {errstr.value.decode()}")
+        self._cluster = self._lib.rd_kafka_mock_cluster_new(self._rk, 1)
+        if not self._cluster:
+            self._lib.rd_kafka_destroy(self._rk)
+            raise RuntimeError("rd_kafka_mock_cluster_new failed")
+        host, port = self._lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode().rsplit(":", 1)
+        self.listener = (host, int(port))
+        self._lib.rd_kafka_mock_set_controller_id(self._cluster, BROKER_ID)
+        self._lib.rd_kafka_mock_group_initial_rebalance_delay_ms(
+            self._cluster, initial_rebalance_delay_ms
+        )
+
+    def advertise(self, host: str, port: int) -> None:
+        """Make Metadata responses send clients to host:port (the front) instead of the mock."""
+        self._lib.rd_kafka_mock_broker_set_host_port(self._cluster, BROKER_ID, host.encode(), port)
+
+    def create_topic(self, name: str, partitions: int) -> int:
+        error = self._lib.rd_kafka_mock_topic_create(self._cluster, name.encode(), partitions, 1)
+        if error:
+            log.info("topic %s not created: Kafka error %d", name, error)
+        else:
+            log.info("topic created: %s (%d partitions)", name, partitions)
+        return error
+
+    def delete_topic(self, name: str) -> int:
+        error = self._lib.rd_kafka_mock_topic_delete(self._cluster, name.encode())
+        if error:
+            log.info("topic %s not deleted: Kafka error %d", name, error)
+        else:
+            log.info("topic deleted: %s", name)
+        return error
+
+    def close(self) -> None:
+        self._lib.rd_kafka_mock_cluster_destroy(self._cluster)
+        self._lib.rd_kafka_destroy(self._rk)
+
+
+def _parse_topic(spec: str) -> tuple[str, int]:
+    name, sep, partitions = spec.rpartition(":")
+    if not sep or not name or not partitions.isdigit() or int(partitions) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME:PARTITIONS, got {spec!r}")
+    return name, int(partitions)
+
+
+def _loopback_host(host: str) -> str:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise argparse.ArgumentTypeError(f"the development broker binds loopback addresses only, got {host!r}")
+    return host
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m connectors.local_broker",
+        description="In-memory development Kafka broker (data is lost on exit).",
+    )
+    parser.add_argument("--host", type=_loopback_host, default="127.0.0.1", help="loopback address to bind")
+    parser.add_argument("--port", type=int, default=9092, help="port to listen on; 0 picks a free one")
+    parser.add_argument(
+        "--topic",
+        type=_parse_topic,
+        action="append",
+        default=[],
+        metavar="NAME:PARTITIONS",
+        help="topic to create at start; repeatable",
+    )
+    return parser.parse_args(argv)
+
+
+async def _serve(host: str, port: int, topics: list[tuple[str, int]]) -> None:
+    cluster = MockCluster()
+    front = KafkaFront(cluster, cluster.listener, SESSION_TIMEOUT_CAP_MS)
+    try:
+        bound_port = await front.start(host, port)
+        cluster.advertise(host, bound_port)
+        for name, partitions in topics:
+            cluster.create_topic(name, partitions)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        print(f"{READY_PREFIX}{host}:{bound_port}", flush=True)
+        await stop.wait()
+        log.info("stopping")
+    finally:
+        await front.close()
+        cluster.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(args.host, args.port, args.topic))
+
+
+class LocalBroker:
+    """Runs the development broker as a child process."""
+
+    def __init__(self, port: int = 0, topics: dict[str, int] | None = None, log_path: str | None = None) -> None:
+        self._port = port
+        self._topics = dict(topics or {})
+        self._log_path = log_path
+        self._owns_log = log_path is None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._address: str | None = None
+
+    def start(self, timeout: float = 20.0) -> LocalBroker:
+        """Spawn the broker and wait until it accepts connections."""
+        if self._process is not None:
+            raise RuntimeError("LocalBroker already started")
+        if self._log_path is None:
+            handle, self._log_path = tempfile.mkstemp(prefix="local-broker-", suffix=".log")
+            os.close(handle)
+        command = [sys.executable, "-m", "connectors.local_broker", "--port", str(self._port)]
+        for name, partitions in self._topics.items():
+            command += ["--topic", f"{name}:{partitions}"]
+        with open(self._log_path, "wb") as log_file:
+            self._process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=self._child_env()
+            )
+        try:
+            self._address = self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _child_env() -> dict[str, str]:
+        """Make ``connectors`` importable in the child whatever the caller's working directory."""
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        return env
+
+    def _wait_ready(self, timeout: float) -> str:
+        assert self._process is not None and self._log_path is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in Path(self._log_path).read_text(errors="replace").splitlines():
+                if line.startswith(READY_PREFIX):
+                    return line[len(READY_PREFIX) :].strip()
+            if self._process.poll() is not None:
+                raise RuntimeError(f"local broker exited with {self._process.returncode}:\n{self._log_tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"local broker not ready after {timeout} s:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        assert self._log_path is not None
+        return "\n".join(Path(self._log_path).read_text(errors="replace").splitlines()[-lines:])
+
+    @property
+    def bootstrap_servers(self) -> str:
+        if self._address is None:
+            raise RuntimeError("LocalBroker not started")
+        return self._address
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if the broker has not exited within ``timeout``; idempotent."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._address = None
+        if self._owns_log and self._log_path is not None:
+            Path(self._log_path).unlink(missing_ok=True)
+            self._log_path = None
+
+    def __enter__(self) -> LocalBroker:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Inference: runs a decoded micro-batch through ONNX Runtime, one stacked run per input shape.
+
+A request that does not fit the model, or a group whose run raises, gets an error outcome; the
+others in the batch still get their results.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from pyflink.datastream import MapFunction, RuntimeContext
+
+from conf import ModelConfig
+from job.model import InvalidInput, OnnxModel
+from job.records import DecodedBatch, Instance, Outcome
+
+log = logging.getLogger(__name__)
+Feed = dict[str, np.ndarray]
+
+
+def signature(feed: Feed) -> tuple:
+    """Instances with equal signatures can be stacked into one run."""
+    return tuple((name, value.shape, value.dtype.str) for name, value in feed.items())
+
+
+def predict(model: OnnxModel, instances: list[Instance]) -> list[Outcome]:
+    """One outcome per instance, in no particular order."""
+    outcomes: list[Outcome] = []
+    groups: dict[tuple, list[tuple[str, Feed]]] = {}
+    for instance in instances:
+        try:
+            feed = model.prepare(instance.tensors)
+        except InvalidInput as exc:
+            log.warning("uri=%s invalid input: %s", instance.uri, exc)
+            outcomes.append(Outcome(uri=instance.uri, error=f"invalid input: {exc}"))
+            continue
+        groups.setdefault(signature(feed), []).append((instance.uri, feed))
+    for group in groups.values():
+        outcomes.extend(_run_group(model, group))
+    return outcomes
+
+
+def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]:
+    try:
+        results = model.run([feed for _, feed in group])
+    except Exception as exc:
+        if len(group) > 1:
+            # Find the instance that broke the run; its neighbours still get results.
+            return [outcome for member in group for outcome in _run_group(model, [member])]
+        log.warning("uri=%s inference failed: %s", group[0][0], exc)
+        return [Outcome(uri=group[0][0], error=f"inference failed: {exc}")]
+    return [
+        Outcome(uri=uri, outputs=outputs, batch_size=len(group))
+        for (uri, _), outputs in zip(group, results)
+    ]
+
+
+class InferBatch(MapFunction):
+    """The Flink stage: opens one ONNX Runtime session per subtask and reports batch metrics."""
+
+    def __init__(self, model: ModelConfig, device: str):
+        self.model_config = model
+        self.device = device
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        config = self.model_config
+        self.model = OnnxModel(Path(config.path), self.device, config.inputs, config.outputs)
+        log.info("opened %s on %s (batched runs: %s)", config.path, self.model.provider, self.model.batched)
+        group = runtime_context.get_metrics_group().add_group("cluster_serving")
+        self.batch_sizes = group.distribution("batchSize")
+        self.inference_ms = group.distribution("inferenceTimeMs")
+        self.inference_errors = group.counter("inferenceErrors")
+
+    def map(self, value: DecodedBatch) -> list[Outcome]:
+        started = time.perf_counter()
+        outcomes = predict(self.model, value.instances)
+        if value.instances:
+            self.batch_sizes.update(len(value.instances))
+            self.inference_ms.update(int((time.perf_counter() - started) * 1000))
+        self.inference_errors.inc(sum(1 for outcome in outcomes if outcome.error))
+        return value.rejected + outcomes

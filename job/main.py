@@ -1,0 +1,131 @@
+"""The serving job: Kafka requests -> micro-batch -> decode -> ONNX Runtime -> encode -> Kafka results.
+
+Run embedded (a Flink MiniCluster in this process, web UI on 127.0.0.1:<flink.rest_port>):
+    python -m job.main --config conf/config.yaml
+Or submit to a running Flink cluster:
+    flink run -py job/main.py -pyexec .venv/bin/python -- --config /abs/path/config.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pyflink.common import Configuration, Types, WatermarkStrategy
+from pyflink.datastream import StreamExecutionEnvironment
+
+if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a plain script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from conf import ConfigError, ServingConfig, load_config  # noqa: E402
+from connectors.admin import ensure_topics  # noqa: E402
+from connectors.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
+from job.batch import BatchKey, MicroBatcher  # noqa: E402
+from job.decode import DecodeBatch  # noqa: E402
+from job.encode import EncodeOutcomes  # noqa: E402
+from job.infer import InferBatch  # noqa: E402
+from job.model import ModelError, OnnxModel  # noqa: E402
+
+log = logging.getLogger("cluster_serving.job")
+JOB_NAME = "cluster-serving"
+
+
+def flink_configuration(config: ServingConfig) -> Configuration:
+    """Settings for the embedded MiniCluster; a cluster submission keeps the cluster's own."""
+    conf = Configuration()
+    for key, value in {
+        "rest.port": str(config.flink.rest_port),
+        "rest.address": "127.0.0.1",
+        "rest.bind-address": "127.0.0.1",
+        "jobmanager.bind-host": "127.0.0.1",
+        "taskmanager.bind-host": "127.0.0.1",
+        "taskmanager.host": "127.0.0.1",
+        # Python UDFs run inside the JVM (pemja): 20-35% faster than a separate worker process.
+        "python.execution-mode": "thread",
+        "python.executable": sys.executable,
+        "python.client.executable": sys.executable,
+        # Small bundles: the micro-batcher already groups work; a 1 s bundle would add latency.
+        "python.fn-execution.bundle.size": "100",
+        "python.fn-execution.bundle.time": str(max(1, config.batching.max_delay_ms)),
+    }.items():
+        conf.set_string(key, value)
+    return conf
+
+
+def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> None:
+    """Wires the stages; each stage is one module of this package."""
+    requests = env.from_source(
+        request_source(config.kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
+    )
+    results = (
+        requests.key_by(BatchKey(config.flink.parallelism), key_type=Types.INT())
+        .process(MicroBatcher(config.batching)).name("micro-batch").uid("micro-batch")
+        .map(DecodeBatch(config.limits.max_instance_bytes)).name("decode").uid("decode")
+        .map(InferBatch(config.model, config.device)).name("infer").uid("infer")
+        .flat_map(EncodeOutcomes(), output_type=KEYED_BYTES).name("encode").uid("encode")
+    )
+    results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
+
+
+def preflight(config: ServingConfig) -> None:
+    """Fails fast, with one line, on what would otherwise surface as a Java stack trace later."""
+    config.check_files()
+    model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs)
+    log.info(
+        "model %s: inputs %s, outputs %s, inference on %s",
+        config.model.path.name, [spec.name for spec in model.inputs], model.output_names, model.provider,
+    )
+    ensure_topics(config.kafka)
+
+
+def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
+    # Thread mode embeds the Python found first on PATH into the JVM: it must be this venv's,
+    # or the task fails with "No module named 'pemja'" and restarts forever.
+    venv_bin = str(Path(sys.executable).parent)
+    os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
+    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config))
+    env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))
+    env.set_parallelism(config.flink.parallelism)
+    env.enable_checkpointing(config.flink.checkpoint_interval_ms)
+    return env
+
+
+def run(config: ServingConfig) -> None:
+    """Submits the job and blocks until it ends (Ctrl-C cancels it)."""
+    env = create_environment(config)
+    build_pipeline(env, config)
+    client = env.execute_async(JOB_NAME)
+    log.info("job %s submitted; Flink web UI: http://127.0.0.1:%d", client.get_job_id(), config.flink.rest_port)
+    log.info(
+        "reading %s, writing %s on %s",
+        config.kafka.input_topic, config.kafka.result_topic, config.kafka.bootstrap_servers,
+    )
+    try:
+        client.get_job_execution_result().result()
+    except KeyboardInterrupt:
+        log.info("stopping job %s", client.get_job_id())
+        client.cancel().result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="job.main", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("kafka", "apache_beam"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        config = load_config(args.config)
+        preflight(config)
+    except (ConfigError, ModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""An ONNX Runtime session with what the job needs around it: provider choice, input checks,
+stacking instances into one batched run and splitting the outputs again."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+log = logging.getLogger(__name__)
+
+# ONNX Runtime's type strings -> numpy dtypes (strings travel as numpy object arrays).
+ORT_DTYPES: dict[str, np.dtype] = {
+    "tensor(float)": np.dtype("float32"),
+    "tensor(double)": np.dtype("float64"),
+    "tensor(float16)": np.dtype("float16"),
+    "tensor(int8)": np.dtype("int8"),
+    "tensor(int16)": np.dtype("int16"),
+    "tensor(int32)": np.dtype("int32"),
+    "tensor(int64)": np.dtype("int64"),
+    "tensor(uint8)": np.dtype("uint8"),
+    "tensor(uint16)": np.dtype("uint16"),
+    "tensor(uint32)": np.dtype("uint32"),
+    "tensor(uint64)": np.dtype("uint64"),
+    "tensor(bool)": np.dtype("bool"),
+    "tensor(string)": np.dtype("object"),
+}
+
+
+class ModelError(RuntimeError):
+    """The model cannot be served as configured (load failure, unusable device, name mismatch)."""
+
+
+class InvalidInput(ValueError):
+    """An instance does not fit the model: missing, unknown, mistyped or misshapen inputs."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int | None, ...]  # None for symbolic or unknown dimensions
+
+    @property
+    def has_batch_dim(self) -> bool:
+        return len(self.shape) > 0 and self.shape[0] is None
+
+
+def open_session(path: Path, device: str) -> ort.InferenceSession:
+    """Opens the model on CUDA when asked for and usable, else on the CPU; `cuda` never falls back."""
+    want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
+    if device == "cuda" and not want_cuda:
+        raise ModelError("device is 'cuda' but this onnxruntime build has no CUDA provider")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if want_cuda else ["CPUExecutionProvider"]
+    # A CPU-only machine is normal for `auto`: keep ONNX Runtime's CUDA load errors out of the log.
+    ort.set_default_logger_severity(4 if device == "auto" else 2)
+    try:
+        session = ort.InferenceSession(str(path), providers=providers)
+    except Exception as exc:
+        raise ModelError(f"cannot load model {path}: {exc}") from None
+    finally:
+        ort.set_default_logger_severity(2)
+    active = session.get_providers()[0]
+    if device == "cuda" and active != "CUDAExecutionProvider":
+        raise ModelError("device is 'cuda' but CUDA is not usable here (no GPU or CUDA libraries)")
+    return session
+
+
+class OnnxModel:
+    """The served model. Input and output names are checked against the config once, at open."""
+
+    def __init__(self, path: Path, device: str, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()):
+        self.session = open_session(path, device)
+        self.provider = self.session.get_providers()[0]
+        self.inputs = [_input_spec(node) for node in self.session.get_inputs()]
+        model_outputs = [node.name for node in self.session.get_outputs()]
+        _check_inputs(inputs, [spec.name for spec in self.inputs])
+        _check_outputs(outputs, model_outputs)
+        self.output_names = list(outputs) or model_outputs
+        # Instances are stacked into one run only when every input has a free leading dimension.
+        self.batched = bool(self.inputs) and all(spec.has_batch_dim for spec in self.inputs)
+
+    def prepare(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Checks one instance against the model and casts within a dtype kind (float64 -> float32)."""
+        unknown = sorted(set(tensors) - {spec.name for spec in self.inputs})
+        if unknown:
+            raise InvalidInput(f"unknown input {unknown[0]!r}; the model takes {self._input_names()}")
+        return {spec.name: self._prepare_one(spec, tensors) for spec in self.inputs}
+
+    def _prepare_one(self, spec: InputSpec, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        if spec.name not in tensors:
+            raise InvalidInput(f"missing input {spec.name!r}; the model takes {self._input_names()}")
+        value = tensors[spec.name]
+        expected = spec.shape[1:] if self.batched else spec.shape
+        if value.ndim != len(expected) or any(
+            want is not None and want != got for want, got in zip(expected, value.shape)
+        ):
+            shown = tuple("?" if dim is None else dim for dim in expected)
+            raise InvalidInput(f"input {spec.name!r}: shape {value.shape} does not fit {shown}")
+        if spec.dtype.kind == "O":
+            if value.dtype.kind not in "OU":
+                raise InvalidInput(f"input {spec.name!r}: expects strings, got {value.dtype}")
+            return value.astype(object)
+        if value.dtype.kind in "OU" or not np.can_cast(value.dtype, spec.dtype, casting="same_kind"):
+            raise InvalidInput(f"input {spec.name!r}: expects {spec.dtype}, got {value.dtype}")
+        return value.astype(spec.dtype, copy=False)
+
+    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Runs prepared instances of one shape signature; batched models get one stacked run."""
+        if not self.batched:
+            return [dict(zip(self.output_names, self.session.run(self.output_names, feed))) for feed in feeds]
+        stacked = {name: np.stack([feed[name] for feed in feeds]) for name in feeds[0]}
+        outputs = self.session.run(self.output_names, stacked)
+        for name, value in zip(self.output_names, outputs):
+            if value.ndim == 0 or value.shape[0] != len(feeds):
+                raise ModelError(f"output {name!r} does not keep the batch dimension")
+        return [{name: value[i] for name, value in zip(self.output_names, outputs)} for i in range(len(feeds))]
+
+    def _input_names(self) -> str:
+        return ", ".join(spec.name for spec in self.inputs)
+
+
+def _input_spec(node: ort.NodeArg) -> InputSpec:
+    if node.type not in ORT_DTYPES:
+        raise ModelError(f"input {node.name!r} has unsupported type {node.type}")
+    shape = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in node.shape)
+    return InputSpec(node.name, ORT_DTYPES[node.type], shape)
+
+
+def _check_inputs(configured: tuple[str, ...], actual: list[str]) -> None:
+    if configured and set(configured) != set(actual):
+        raise ModelError(f"model.inputs {list(configured)} do not match the model's inputs {actual}")
+
+
+def _check_outputs(configured: tuple[str, ...], actual: list[str]) -> None:
+    missing = sorted(set(configured) - set(actual))
+    if missing:
+        raise ModelError(f"model.outputs: the model has no output {missing[0]!r}; it has {actual}")
