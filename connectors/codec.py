@@ -103,8 +103,8 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     uri = metadata.get("cs.uri", "")
     if not uri or len(uri) > MAX_URI_CHARS:
         raise DecodeError("missing or over-long uri")
-    if len(batches) != 1 or batches[0].num_rows != 1:
-        raise DecodeError("a message must hold exactly one row")
+    if len(batches) != 1 or (batches[0].num_columns and batches[0].num_rows != 1):
+        raise DecodeError("a message must hold exactly one row")  # error results have no columns
     if batches[0].num_columns > MAX_TENSORS:
         raise DecodeError(f"more than {MAX_TENSORS} tensors")
     try:

@@ -112,7 +112,7 @@ class MockCluster:
     handle (never connected anywhere) owns it.
     """
 
-    def __init__(self, initial_rebalance_delay_ms: int = INITIAL_REBALANCE_DELAY_MS) -> None:
+    def __init__(self) -> None:
         self._lib = _load_librdkafka()
         errstr = ctypes.create_string_buffer(512)
         conf = self._lib.rd_kafka_conf_new()
@@ -129,7 +129,7 @@ class MockCluster:
         self.listener = (host, int(port))
         self._lib.rd_kafka_mock_set_controller_id(self._cluster, BROKER_ID)
         self._lib.rd_kafka_mock_group_initial_rebalance_delay_ms(
-            self._cluster, initial_rebalance_delay_ms
+            self._cluster, INITIAL_REBALANCE_DELAY_MS
         )
 
     def advertise(self, host: str, port: int) -> None:
@@ -182,6 +182,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", type=_loopback_host, default="127.0.0.1", help="loopback address to bind")
     parser.add_argument("--port", type=int, default=9092, help="port to listen on; 0 picks a free one")
     parser.add_argument(
+        "--session-timeout-cap-ms",
+        type=int,
+        default=SESSION_TIMEOUT_CAP_MS,
+        help="upper bound for consumer group session timeouts; each rebalance after a "
+        "group's first one takes this minus one second",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every request)")
+    parser.add_argument(
         "--topic",
         type=_parse_topic,
         action="append",
@@ -192,38 +200,55 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _serve(host: str, port: int, topics: list[tuple[str, int]]) -> None:
-    cluster = MockCluster()
-    front = KafkaFront(cluster, cluster.listener, SESSION_TIMEOUT_CAP_MS)
-    try:
-        bound_port = await front.start(host, port)
-        cluster.advertise(host, bound_port)
-        for name, partitions in topics:
-            cluster.create_topic(name, partitions)
+async def _serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM or SIGINT; return the process exit status."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        print(f"{READY_PREFIX}{host}:{bound_port}", flush=True)
+    cluster = MockCluster()
+    front = KafkaFront(cluster, cluster.listener, args.session_timeout_cap_ms)
+    try:
+        bound_port = await front.start(args.host, args.port)
+    except OSError as error:
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, error)
+        cluster.close()
+        return 1
+    try:
+        cluster.advertise(args.host, bound_port)
+        for name, partitions in args.topic:
+            cluster.create_topic(name, partitions)
+        print(f"{READY_PREFIX}{args.host}:{bound_port}", flush=True)
         await stop.wait()
         log.info("stopping")
     finally:
         await front.close()
         cluster.close()
+    return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the broker in the foreground; return the exit status."""
     args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(args.host, args.port, args.topic))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(_serve(args))
 
 
 class LocalBroker:
     """Runs the development broker as a child process."""
 
-    def __init__(self, port: int = 0, topics: dict[str, int] | None = None, log_path: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int = 0,
+        topics: dict[str, int] | None = None,
+        log_path: str | None = None,
+        session_timeout_cap_ms: int = SESSION_TIMEOUT_CAP_MS,
+    ) -> None:
         self._port = port
+        self._session_timeout_cap_ms = session_timeout_cap_ms
         self._topics = dict(topics or {})
         self._log_path = log_path
         self._owns_log = log_path is None
@@ -237,7 +262,15 @@ class LocalBroker:
         if self._log_path is None:
             handle, self._log_path = tempfile.mkstemp(prefix="local-broker-", suffix=".log")
             os.close(handle)
-        command = [sys.executable, "-m", "connectors.local_broker", "--port", str(self._port)]
+        command = [
+            sys.executable,
+            "-m",
+            "connectors.local_broker",
+            "--port",
+            str(self._port),
+            "--session-timeout-cap-ms",
+            str(self._session_timeout_cap_ms),
+        ]
         for name, partitions in self._topics.items():
             command += ["--topic", f"{name}:{partitions}"]
         with open(self._log_path, "wb") as log_file:
@@ -308,4 +341,4 @@ class LocalBroker:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -33,6 +33,15 @@ log = logging.getLogger("cluster_serving.job")
 JOB_NAME = "cluster-serving"
 
 
+def configure_logging() -> None:
+    """INFO for our lifecycle lines, WARNING for chatty libraries. Called again once the Flink
+    environment exists, because starting PyFlink's gateway lowers the root logger to WARNING."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(logging.INFO)
+    for noisy in ("kafka", "apache_beam"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 def flink_configuration(config: ServingConfig) -> Configuration:
     """Settings for the embedded MiniCluster; a cluster submission keeps the cluster's own."""
     conf = Configuration()
@@ -87,6 +96,7 @@ def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
     venv_bin = str(Path(sys.executable).parent)
     os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
     env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config))
+    configure_logging()
     env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))
     env.set_parallelism(config.flink.parallelism)
     env.enable_checkpointing(config.flink.checkpoint_interval_ms)
@@ -114,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="job.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("kafka", "apache_beam"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging()
     try:
         config = load_config(args.config)
         preflight(config)

@@ -1,0 +1,246 @@
+"""A local standalone Flink cluster (one JobManager, one TaskManager) run from the pip-installed
+PyFlink, for submitting the serving job with `flink run -py` as one would to a real cluster.
+
+Everything the cluster writes lives in `work_dir`: its conf/ (config.yaml bound to 127.0.0.1,
+the log4j files), log/, pid/ and lib/. PyFlink's own directories are only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+import pyflink
+import yaml
+
+from client.processes import PROJECT_ROOT, flink_rest
+
+log = logging.getLogger(__name__)
+
+PYFLINK_HOME = Path(pyflink.__file__).resolve().parent
+JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"
+JOB_ID_PATTERN = re.compile(r"JobID ([0-9a-f]{32})|job ([0-9a-f]{32}) submitted")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def cluster_config(rest_port: int, rpc_port: int, work_dir: Path, task_slots: int) -> dict:
+    """The cluster's config.yaml: loopback only, and memory sizes that leave room for the broker,
+    the test clients and other JVMs on a 2-core machine."""
+    return {
+        "env": {
+            "java": {"opts": {"all": _pyflink_default("env.java.opts.all")}},
+            "log": {"dir": str(work_dir / "log")},
+            "pid": {"dir": str(work_dir / "pid")},
+        },
+        "jobmanager": {
+            "rpc": {"address": "127.0.0.1", "port": rpc_port},
+            "bind-host": "127.0.0.1",
+            "memory": {"process": {"size": "1024m"}},
+            "execution": {"failover-strategy": "region"},
+        },
+        "taskmanager": {
+            "bind-host": "127.0.0.1",
+            "host": "127.0.0.1",
+            "numberOfTaskSlots": task_slots,
+            "memory": {"process": {"size": "1728m"}},
+        },
+        "rest": {"address": "127.0.0.1", "bind-address": "127.0.0.1", "port": rest_port},
+        "parallelism": {"default": 1},
+    }
+
+
+def _pyflink_default(flat_key: str) -> str:
+    """A value of PyFlink's shipped config.yaml (the JDK 17 --add-opens list, which Flink needs)."""
+    value: object = yaml.safe_load((PYFLINK_HOME / "conf" / "config.yaml").read_text())
+    for part in flat_key.split("."):
+        value = value[part]  # type: ignore[index]
+    return str(value)
+
+
+class StandaloneCluster:
+    """`start-cluster.sh` / `stop-cluster.sh` of the pip-installed PyFlink with a private
+    FLINK_CONF_DIR and FLINK_LIB_DIR, plus `flink run -py` submission of the serving job."""
+
+    def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2):
+        self.rest_port = rest_port
+        self.work_dir = Path(work_dir).resolve()
+        self.task_slots = task_slots
+        self.conf_dir = self.work_dir / "conf"
+        self.lib_dir = self.work_dir / "lib"
+        self.log_dir = self.work_dir / "log"
+        self.pid_dir = self.work_dir / "pid"
+        self._pids: set[int] = set()
+
+    @property
+    def web_ui(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def prepare(self) -> None:
+        """Writes conf/ and lib/. lib/ is PyFlink's lib/ plus opt/flink-python: with flink-python
+        loaded by the TaskManager's own class loader, pemja's native library is loaded once per
+        JVM; loaded per job (from the job's jars) a second thread-mode job fails with
+        `NoSuchFieldException: loadedLibraryNames` on JDK 17."""
+        for directory in (self.conf_dir, self.lib_dir, self.log_dir, self.pid_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        for source in PYFLINK_HOME.joinpath("conf").glob("log4j*.properties"):
+            shutil.copy(source, self.conf_dir / source.name)
+        config = cluster_config(self.rest_port, free_port(), self.work_dir, self.task_slots)
+        (self.conf_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        (self.conf_dir / "workers").write_text("127.0.0.1\n")
+        (self.conf_dir / "masters").write_text(f"127.0.0.1:{self.rest_port}\n")
+        jars = [*PYFLINK_HOME.joinpath("lib").glob("*.jar"), *PYFLINK_HOME.joinpath("opt").glob("flink-python-*.jar")]
+        for jar in jars:
+            link = self.lib_dir / jar.name
+            if not link.exists():
+                link.symlink_to(jar)
+
+    def environment(self) -> dict[str, str]:
+        """The environment of the cluster scripts and the CLI. The venv's bin comes first on PATH:
+        thread mode embeds the `python` found there into the TaskManager JVM (pemja)."""
+        env = dict(os.environ)
+        env.update(
+            FLINK_CONF_DIR=str(self.conf_dir),
+            FLINK_LIB_DIR=str(self.lib_dir),
+            FLINK_LOG_DIR=str(self.log_dir),
+            FLINK_PID_DIR=str(self.pid_dir),
+            PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        )
+        env.pop("FLINK_HOME", None)
+        return env
+
+    def _script(self, name: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(PYFLINK_HOME / "bin" / name), *args],
+            env=self.environment(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=timeout, cwd=self.work_dir,
+        )
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Starts the JobManager and the TaskManager; returns once a TaskManager registered."""
+        self.prepare()
+        started = time.monotonic()
+        result = self._script("start-cluster.sh")
+        self._pids |= self._daemon_pids()
+        if result.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"start-cluster.sh failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+        try:
+            self._wait_for_taskmanager(started + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("Flink cluster up in %.1f s: %s (logs in %s)", time.monotonic() - started, self.web_ui, self.log_dir)
+
+    def _wait_for_taskmanager(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            self._pids |= self._daemon_pids()
+            try:
+                if flink_rest(self.rest_port, "/overview").get("taskmanagers", 0) >= 1:
+                    return
+            except (OSError, ValueError):
+                pass
+            if self._pids and not any(_is_alive(pid) for pid in self._pids):
+                raise RuntimeError(f"the Flink cluster exited:\n{self.log_tail()}")
+            time.sleep(0.5)
+        raise RuntimeError(f"no TaskManager registered at {self.web_ui} in time:\n{self.log_tail()}")
+
+    def _daemon_pids(self) -> set[int]:
+        pids: set[int] = set()
+        for pid_file in self.pid_dir.glob("*.pid"):
+            pids |= {int(line) for line in pid_file.read_text().split() if line.isdigit()}
+        return pids
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of every daemon log: where a cluster that does not come up says why."""
+        tails = []
+        for path in sorted(self.log_dir.glob("flink-*.log")) + sorted(self.log_dir.glob("flink-*.out")):
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {path.name}\n" + "\n".join(text))
+        return "\n".join(tails)
+
+    def submit(self, config_path: Path, timeout: float = 180.0) -> str:
+        """`flink run --detached -py job/main.py`; returns the job id. The CLI returns once the job
+        is submitted; the job's own log lines are in its output."""
+        python = sys.executable
+        result = self._script(
+            "flink", "run", "--detached",
+            "-py", str(JOB_SCRIPT), "-pyexec", python, "-pyclientexec", python,
+            "--", "--config", str(Path(config_path).resolve()),
+            timeout=timeout,
+        )
+        output = result.stdout + result.stderr
+        match = JOB_ID_PATTERN.search(output)
+        if result.returncode != 0 or match is None:
+            raise RuntimeError(f"flink run failed ({result.returncode}):\n{output}")
+        job_id = match.group(1) or match.group(2)
+        log.info("job %s submitted to %s", job_id, self.web_ui)
+        return job_id
+
+    def cancel(self, job_id: str, timeout: float = 30.0) -> None:
+        """Cancels through the REST API (what the web UI's Cancel button does) and waits for CANCELED."""
+        request = urllib.request.Request(f"{self.web_ui}/jobs/{job_id}?mode=cancel", method="PATCH")
+        with urllib.request.urlopen(request, timeout=5):
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if flink_rest(self.rest_port, f"/jobs/{job_id}")["state"] in ("CANCELED", "FAILED", "FINISHED"):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"job {job_id} not canceled after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """stop-cluster.sh, then SIGKILL for any of the cluster's JVMs still there; idempotent."""
+        self._pids |= self._daemon_pids()
+        if not self._pids:
+            return
+        try:
+            self._script("stop-cluster.sh", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("stop-cluster.sh did not return in %.0f s", timeout)
+        deadline = time.monotonic() + timeout
+        while any(_is_alive(pid) for pid in self._pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in self._pids:
+            if _is_alive(pid) and self._is_ours(pid):
+                log.warning("Flink daemon %d still running after stop-cluster.sh: killing it", pid)
+                os.kill(pid, signal.SIGKILL)
+        self._pids.clear()
+
+    def _is_ours(self, pid: int) -> bool:
+        """Guards the kill against a reused pid: the JVM's command line names our conf dir."""
+        try:
+            return str(self.conf_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return False
+
+    def __enter__(self) -> StandaloneCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _is_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (the daemons are not our children)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -1,0 +1,190 @@
+"""Child processes the CLI, the demo and the tests start: the local broker and the embedded job.
+
+Each runs in its own process group, so stopping it also stops what it started (the embedded
+job's JVM), and a test that fails still leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ChildProcess:
+    """`python -m <module> <args>` with its output in a log file, ready when a line matches."""
+
+    module: str = ""
+    ready_pattern: re.Pattern[str] = re.compile(r"$^")
+    stop_signal = signal.SIGTERM
+
+    def __init__(self, args: list[str], log_path: str | Path | None = None):
+        self.args = args
+        self.log_path = Path(log_path) if log_path else None
+        self._owns_log = log_path is None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> re.Match[str]:
+        """Spawns the child and returns the ready line's match; on failure the error has the log tail."""
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix=f"{self.module}-", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module, *self.args],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
+            )
+        try:
+            return self._wait_for_line(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_line(self, timeout: float) -> re.Match[str]:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = self.ready_pattern.search(self.log_text())
+            if match:
+                return match
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.process.returncode}:\n{self.log_tail()}")
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.module} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Asks the child to stop, then kills its whole group (with the JVM it started); idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        _signal_group(process.pid, self.stop_signal)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGKILL)
+        process.wait()
+        if self._owns_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
+
+    def __enter__(self) -> ChildProcess:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class LocalBroker(ChildProcess):
+    """The in-memory development broker (`python -m connectors.local_broker`)."""
+
+    module = "connectors.local_broker"
+    ready_pattern = re.compile(r"local broker ready on (?P<address>\S+)")
+
+    def __init__(self, port: int = 0, topics: dict[str, int] | None = None, log_path: str | Path | None = None):
+        topic_args = [arg for name, count in (topics or {}).items() for arg in ("--topic", f"{name}:{count}")]
+        super().__init__(["--port", str(port), *topic_args], log_path)
+        self.bootstrap_servers = ""
+
+    def start(self, timeout: float = 20.0) -> re.Match[str]:
+        match = super().start(timeout)
+        self.bootstrap_servers = match["address"]
+        return match
+
+
+class EmbeddedJob(ChildProcess):
+    """The serving job on an embedded Flink MiniCluster (`python -m job.main --config ...`)."""
+
+    module = "job.main"
+    ready_pattern = re.compile(r"job (?P<job_id>[0-9a-f]{32}) submitted")
+    # SIGINT lets job.main cancel the Flink job and shut the MiniCluster down in order.
+    stop_signal = signal.SIGINT
+
+    def __init__(self, config_path: str | Path, rest_port: int, log_path: str | Path | None = None):
+        super().__init__(["--config", str(config_path)], log_path)
+        self.rest_port = rest_port
+        self.job_id = ""
+
+    def start(self, timeout: float = 120.0) -> re.Match[str]:
+        """Returns once every task of the job is RUNNING."""
+        deadline = time.monotonic() + timeout
+        match = super().start(timeout)
+        self.job_id = match["job_id"]
+        try:
+            wait_until_running(self.rest_port, self.job_id, deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        return match
+
+    @property
+    def web_ui(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def rest(self, path: str) -> dict:
+        """GET on the job's Flink REST API, e.g. rest(f"/jobs/{job.job_id}")."""
+        return flink_rest(self.rest_port, path)
+
+
+def flink_rest(port: int, path: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
+        return json.load(response)
+
+
+def wait_until_running(port: int, job_id: str, timeout: float) -> None:
+    """Polls the Flink REST API until the job and all its vertices run; raises on FAILED/timeout."""
+    deadline = time.monotonic() + timeout
+    state = "unknown"
+    while time.monotonic() < deadline:
+        try:
+            job = flink_rest(port, f"/jobs/{job_id}")
+        except OSError:
+            time.sleep(0.3)
+            continue
+        state = job["state"]
+        if state in ("FAILED", "CANCELED", "FINISHED"):
+            raise RuntimeError(f"job {job_id} is {state}")
+        if state == "RUNNING" and all(vertex["status"] == "RUNNING" for vertex in job["vertices"]):
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"job {job_id} not running after {timeout:.0f} s (state {state})")

@@ -1,0 +1,73 @@
+"""Shared fixtures: one local broker process per test session, configs with their own topics,
+and embedded jobs that are always stopped, also when a test fails."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import yaml
+
+from client.processes import EmbeddedJob, LocalBroker, free_port
+from conf import ServingConfig, load_config
+from conf.sample_model import build_sample_model
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
+    log_path = tmp_path_factory.mktemp("broker") / "broker.log"
+    local = LocalBroker(port=free_port(), log_path=log_path)
+    local.start()
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="session")
+def sample_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_sample_model(tmp_path_factory.mktemp("model") / "model.onnx")
+
+
+WriteConfig = Callable[..., tuple[Path, ServingConfig]]
+
+
+@pytest.fixture
+def write_config(tmp_path: Path, broker: LocalBroker, sample_model: Path) -> WriteConfig:
+    """Writes a config with fresh topic names, group id and REST port; keyword sections override."""
+
+    def write(**sections: dict) -> tuple[Path, ServingConfig]:
+        run_id = uuid.uuid4().hex[:8]
+        raw: dict = {
+            "model": {"path": str(sample_model)},
+            "kafka": {
+                "bootstrap_servers": broker.bootstrap_servers,
+                "input_topic": f"requests-{run_id}",
+                "result_topic": f"results-{run_id}",
+                "group_id": f"serving-{run_id}",
+            },
+            "flink": {"rest_port": free_port(), "checkpoint_interval_ms": 1000},
+        }
+        for section, values in sections.items():
+            raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+        path = tmp_path / f"config-{run_id}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        return path, load_config(path)
+
+    return write
+
+
+@pytest.fixture
+def start_job(tmp_path: Path) -> Iterator[Callable[[Path, ServingConfig], EmbeddedJob]]:
+    """Starts embedded jobs and stops every one of them at teardown."""
+    started: list[EmbeddedJob] = []
+
+    def start(path: Path, config: ServingConfig) -> EmbeddedJob:
+        job = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / f"job-{len(started)}.log")
+        started.append(job)
+        job.start()
+        return job
+
+    yield start
+    for job in started:
+        job.stop()

@@ -1,0 +1,63 @@
+"""The micro-batcher in a running job: the timer flushes a trickle, a burst fills batches."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from kafka import KafkaConsumer
+
+from client import InputQueue, OutputQueue
+from conf.sample_model import FEATURES
+from connectors.codec import decode_message
+
+MAX_DELAY_MS = 500
+BATCH_SIZE = 32
+
+
+def test_trickle_is_flushed_by_the_timer(write_config, start_job) -> None:
+    path, config = write_config(batching={"batch_size": BATCH_SIZE, "max_delay_ms": MAX_DELAY_MS})
+    start_job(path, config)
+    kafka = config.kafka
+    latencies = []
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
+        kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"
+    ) as outputs:
+        for i in range(8):
+            sent = time.monotonic()
+            inputs.enqueue(f"slow-{i}", features=np.ones(FEATURES, np.float32))
+            inputs.flush()
+            result = outputs.query(f"slow-{i}", timeout=30)
+            assert result is not None and "error" not in result
+            latencies.append((time.monotonic() - sent) * 1000)
+    print(f"trickle latencies (ms): {[round(ms) for ms in latencies]}")
+    # Each request waited for the timer (a batch of one never fills), then came straight back.
+    assert min(latencies[1:]) >= MAX_DELAY_MS * 0.9
+    assert max(latencies[1:]) < MAX_DELAY_MS + 1000
+
+
+def test_burst_fills_batches(write_config, start_job) -> None:
+    path, config = write_config(batching={"batch_size": BATCH_SIZE, "max_delay_ms": MAX_DELAY_MS})
+    start_job(path, config)
+    kafka = config.kafka
+    count = BATCH_SIZE * 20
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs:
+        for i in range(count):
+            inputs.enqueue(f"burst-{i}", features=np.ones(FEATURES, np.float32))
+        inputs.flush()
+    consumer = KafkaConsumer(
+        kafka.result_topic, bootstrap_servers=kafka.bootstrap_servers,
+        auto_offset_reset="earliest", consumer_timeout_ms=5000,
+    )
+    sizes: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    for record in consumer:
+        message = decode_message(record.value, 1 << 24)
+        sizes[message.uri] = message.batch_size
+        if len(sizes) == count or time.monotonic() > deadline:
+            break
+    consumer.close()
+    assert len(sizes) == count
+    full = sum(1 for size in sizes.values() if size == BATCH_SIZE)
+    print(f"burst of {count}: {full} results ran in full batches of {BATCH_SIZE}")
+    assert full >= 0.9 * count

@@ -1,0 +1,93 @@
+"""The wire format: exact round trips for every dtype, and refusals for everything else."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from connectors.codec import NUMERIC_DTYPES, DecodeError, Message, decode_message, encode_message
+
+LIMIT = 1 << 24
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(NUMERIC_DTYPES)),
+    shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5),
+    data=st.data(),
+)
+def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], data: st.DataObject) -> None:
+    array = data.draw(hnp.arrays(np.dtype(dtype), shape))
+    decoded = decode_message(encode_message(Message("uri-1", {"t": array})), LIMIT)
+    assert decoded.uri == "uri-1"
+    out = decoded.tensors["t"]
+    assert out.dtype == array.dtype and out.shape == array.shape
+    assert out.tobytes() == array.tobytes()  # bit-exact, NaNs included
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(max_size=20), max_size=10))
+def test_string_round_trip(texts: list[str]) -> None:
+    decoded = decode_message(encode_message(Message("s", {"text": np.array(texts, dtype=object)})), LIMIT)
+    assert decoded.tensors["text"].tolist() == texts
+
+
+def test_result_fields_round_trip() -> None:
+    message = Message("u", {"p": np.arange(3, dtype=np.float32)}, batch_size=32)
+    decoded = decode_message(encode_message(message), LIMIT)
+    assert decoded.batch_size == 32 and decoded.error is None
+    error = decode_message(encode_message(Message("u", error="boom")), LIMIT)
+    assert error.error == "boom" and error.tensors == {}
+
+
+def test_refuses_unsupported_dtype_on_encode() -> None:
+    with pytest.raises(ValueError, match="not supported"):
+        encode_message(Message("u", {"c": np.zeros(2, dtype=np.complex64)}))
+
+
+def _forged(metadata: dict[str, str], field_meta: dict[str, str], values: pa.Array) -> bytes:
+    """A message built by hand, to check what the decoder refuses."""
+    column = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
+    schema = pa.schema([pa.field("t", column.type, metadata=field_meta)], metadata=metadata)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch([column], schema=schema))
+    return sink.getvalue().to_pybytes()
+
+
+GOOD_META = {"cs.version": "1", "cs.uri": "u"}
+FLOATS = pa.array([1.0, 2.0], pa.float32())
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"", "not a cluster-serving message"),
+        (b"\x00garbage" * 10, "not a cluster-serving message"),
+        (_forged({"cs.version": "9", "cs.uri": "u"}, {"cs.dtype": "float32", "cs.shape": "[2]"}, FLOATS), "version"),
+        (_forged({"cs.version": "1"}, {"cs.dtype": "float32", "cs.shape": "[2]"}, FLOATS), "uri"),
+        (_forged(GOOD_META, {"cs.dtype": "object", "cs.shape": "[2]"}, FLOATS), "not allowed"),
+        (_forged(GOOD_META, {"cs.dtype": "float32", "cs.shape": "[3]"}, FLOATS), "do not fill"),
+        (_forged(GOOD_META, {"cs.dtype": "float64", "cs.shape": "[2]"}, FLOATS), "do not match"),
+        (_forged(GOOD_META, {"cs.dtype": "float32", "cs.shape": "[-2]"}, FLOATS), "invalid shape"),
+        (_forged(GOOD_META, {"cs.dtype": "float32", "cs.shape": "two"}, FLOATS), "not a JSON list"),
+        (_forged(GOOD_META, {"cs.dtype": "float32", "cs.shape": json.dumps([1] * 17)}, FLOATS), "invalid shape"),
+    ],
+)
+def test_refuses_bad_payloads(payload: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError, match=reason):
+        decode_message(payload, LIMIT)
+
+
+def test_refuses_truncated_and_oversized() -> None:
+    payload = encode_message(Message("u", {"t": np.ones(100, np.float32)}))
+    with pytest.raises(DecodeError):
+        decode_message(payload[: len(payload) // 2], LIMIT)
+    with pytest.raises(DecodeError, match="exceeds the limit"):
+        decode_message(payload, len(payload) - 1)
