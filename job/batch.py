@@ -45,8 +45,8 @@ class MicroBatcher(KeyedProcessFunction):
 
     def process_element(self, value: Row, ctx: KeyedProcessFunction.Context) -> Iterable[list[Row]]:
         key = ctx.get_current_key()
+        count = self._count(key) + 1  # before add(): a rebuilt mirror must not count `value`
         self.pending.add(value)
-        count = self._count(key) + 1
         self.counts[key] = count
         if count >= self.batch_size or self.max_delay_ms == 0:
             yield self._flush(key, ctx)
