@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -146,12 +147,6 @@ def show_sample_predictions(config: ServingConfig, count: int) -> None:
                 print(f"{uri}: class {top} (p={probabilities[top]:.3f})")
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.run import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="cluster-serving", description=__doc__.splitlines()[0])
     commands = root.add_subparsers(dest="command", required=True)
@@ -176,13 +171,27 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-wait", action="store_true", help="stop after printing the predictions")
     demo.set_defaults(run=cmd_demo)
 
-    bench = commands.add_parser("bench", help="end-to-end benchmark (see bench/run.py --help)")
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(run=cmd_bench)
+    # Listed for --help only: main() hands `bench ...` to bench.run with all its options.
+    commands.add_parser("bench", help="end-to-end benchmark (cluster-serving bench --help)")
     return root
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a supervisor, `timeout`, `kill`) unwinds like Ctrl-C, so what we started stops too."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         return args.run(args)

@@ -7,16 +7,16 @@ the log4j files), log/, pid/ and lib/. PyFlink's own directories are only read.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -24,19 +24,14 @@ from types import TracebackType
 import pyflink
 import yaml
 
-from client.processes import PROJECT_ROOT, flink_rest
+from client.processes import PROJECT_ROOT, flink_rest, free_port
 
 log = logging.getLogger(__name__)
 
 PYFLINK_HOME = Path(pyflink.__file__).resolve().parent
 JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"
+VENV_BIN = str(Path(sys.executable).parent)
 JOB_ID_PATTERN = re.compile(r"JobID ([0-9a-f]{32})|job ([0-9a-f]{32}) submitted")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def cluster_config(rest_port: int, rpc_port: int, work_dir: Path, task_slots: int) -> dict:
@@ -77,15 +72,15 @@ class StandaloneCluster:
     """`start-cluster.sh` / `stop-cluster.sh` of the pip-installed PyFlink with a private
     FLINK_CONF_DIR and FLINK_LIB_DIR, plus `flink run -py` submission of the serving job."""
 
-    def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2):
+    def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2, rpc_port: int = 0):
         self.rest_port = rest_port
         self.work_dir = Path(work_dir).resolve()
         self.task_slots = task_slots
+        self.rpc_port = rpc_port  # 0: a free port, chosen when conf/ is written
         self.conf_dir = self.work_dir / "conf"
         self.lib_dir = self.work_dir / "lib"
         self.log_dir = self.work_dir / "log"
         self.pid_dir = self.work_dir / "pid"
-        self._pids: set[int] = set()
 
     @property
     def web_ui(self) -> str:
@@ -100,47 +95,57 @@ class StandaloneCluster:
             directory.mkdir(parents=True, exist_ok=True)
         for source in PYFLINK_HOME.joinpath("conf").glob("log4j*.properties"):
             shutil.copy(source, self.conf_dir / source.name)
-        config = cluster_config(self.rest_port, free_port(), self.work_dir, self.task_slots)
+        rpc_port = self.rpc_port or free_port()
+        config = cluster_config(self.rest_port, rpc_port, self.work_dir, self.task_slots)
         (self.conf_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (self.conf_dir / "workers").write_text("127.0.0.1\n")
         (self.conf_dir / "masters").write_text(f"127.0.0.1:{self.rest_port}\n")
         jars = [*PYFLINK_HOME.joinpath("lib").glob("*.jar"), *PYFLINK_HOME.joinpath("opt").glob("flink-python-*.jar")]
+        for old in self.lib_dir.glob("*.jar"):
+            old.unlink()
         for jar in jars:
-            link = self.lib_dir / jar.name
-            if not link.exists():
-                link.symlink_to(jar)
+            (self.lib_dir / jar.name).symlink_to(jar)
+
+    def variables(self) -> dict[str, str]:
+        """What PyFlink's bin/ scripts need to use this cluster's directories."""
+        return {
+            "FLINK_CONF_DIR": str(self.conf_dir),
+            "FLINK_LIB_DIR": str(self.lib_dir),
+            "FLINK_LOG_DIR": str(self.log_dir),
+            "FLINK_PID_DIR": str(self.pid_dir),
+        }
 
     def environment(self) -> dict[str, str]:
         """The environment of the cluster scripts and the CLI. The venv's bin comes first on PATH:
         thread mode embeds the `python` found there into the TaskManager JVM (pemja)."""
-        env = dict(os.environ)
-        env.update(
-            FLINK_CONF_DIR=str(self.conf_dir),
-            FLINK_LIB_DIR=str(self.lib_dir),
-            FLINK_LOG_DIR=str(self.log_dir),
-            FLINK_PID_DIR=str(self.pid_dir),
-            PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        )
-        env.pop("FLINK_HOME", None)
+        env = {**os.environ, **self.variables()}
+        env["PATH"] = os.pathsep.join([VENV_BIN, env.get("PATH", "")])
         return env
 
-    def _script(self, name: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+    def _script(self, name: str, *args: str, timeout: float = 120.0) -> tuple[int, str]:
+        """Runs one of PyFlink's bin/ scripts; returns its exit code and output. It runs in its own
+        session so that a timeout also ends what it started (the CLI's Python client)."""
+        process = subprocess.Popen(
             [str(PYFLINK_HOME / "bin" / name), *args],
-            env=self.environment(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=timeout, cwd=self.work_dir,
+            env=self.environment(), cwd=self.work_dir, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            raise RuntimeError(f"{name} did not return in {timeout:.0f} s:\n{output}") from None
+        return process.returncode, output
 
     def start(self, timeout: float = 90.0) -> None:
         """Starts the JobManager and the TaskManager; returns once a TaskManager registered."""
         self.prepare()
         started = time.monotonic()
-        result = self._script("start-cluster.sh")
-        self._pids |= self._daemon_pids()
-        if result.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"start-cluster.sh failed ({result.returncode}):\n{result.stdout}{result.stderr}")
         try:
+            code, output = self._script("start-cluster.sh", timeout=timeout)
+            if code != 0:
+                raise RuntimeError(f"start-cluster.sh failed ({code}):\n{output}")
             self._wait_for_taskmanager(started + timeout)
         except BaseException:
             self.stop()
@@ -149,21 +154,28 @@ class StandaloneCluster:
 
     def _wait_for_taskmanager(self, deadline: float) -> None:
         while time.monotonic() < deadline:
-            self._pids |= self._daemon_pids()
             try:
                 if flink_rest(self.rest_port, "/overview").get("taskmanagers", 0) >= 1:
                     return
             except (OSError, ValueError):
                 pass
-            if self._pids and not any(_is_alive(pid) for pid in self._pids):
+            if not self.processes():
                 raise RuntimeError(f"the Flink cluster exited:\n{self.log_tail()}")
             time.sleep(0.5)
         raise RuntimeError(f"no TaskManager registered at {self.web_ui} in time:\n{self.log_tail()}")
 
-    def _daemon_pids(self) -> set[int]:
-        pids: set[int] = set()
-        for pid_file in self.pid_dir.glob("*.pid"):
-            pids |= {int(line) for line in pid_file.read_text().split() if line.isdigit()}
+    def processes(self) -> list[int]:
+        """Pids of this cluster's live JVMs (daemons and CLI), found by the conf dir on their command
+        line: unlike pid files, this also finds a daemon whose start or stop was cut short."""
+        pids = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                args = cmdline.read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            pid = int(cmdline.parent.name)
+            if _names_dir(args, self.conf_dir) and pid != os.getpid() and _is_alive(pid):
+                pids.append(pid)
         return pids
 
     def log_tail(self, lines: int = 40) -> str:
@@ -178,16 +190,15 @@ class StandaloneCluster:
         """`flink run --detached -py job/main.py`; returns the job id. The CLI returns once the job
         is submitted; the job's own log lines are in its output."""
         python = sys.executable
-        result = self._script(
+        code, output = self._script(
             "flink", "run", "--detached",
             "-py", str(JOB_SCRIPT), "-pyexec", python, "-pyclientexec", python,
             "--", "--config", str(Path(config_path).resolve()),
             timeout=timeout,
         )
-        output = result.stdout + result.stderr
         match = JOB_ID_PATTERN.search(output)
-        if result.returncode != 0 or match is None:
-            raise RuntimeError(f"flink run failed ({result.returncode}):\n{output}")
+        if code != 0 or match is None:
+            raise RuntimeError(f"flink run failed ({code}):\n{output}")
         job_id = match.group(1) or match.group(2)
         log.info("job %s submitted to %s", job_id, self.web_ui)
         return job_id
@@ -206,28 +217,18 @@ class StandaloneCluster:
 
     def stop(self, timeout: float = 30.0) -> None:
         """stop-cluster.sh, then SIGKILL for any of the cluster's JVMs still there; idempotent."""
-        self._pids |= self._daemon_pids()
-        if not self._pids:
+        if not self.processes():
             return
         try:
             self._script("stop-cluster.sh", timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("stop-cluster.sh did not return in %.0f s", timeout)
+        except RuntimeError as exc:
+            log.warning("%s", exc)
         deadline = time.monotonic() + timeout
-        while any(_is_alive(pid) for pid in self._pids) and time.monotonic() < deadline:
+        while self.processes() and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in self._pids:
-            if _is_alive(pid) and self._is_ours(pid):
-                log.warning("Flink daemon %d still running after stop-cluster.sh: killing it", pid)
-                os.kill(pid, signal.SIGKILL)
-        self._pids.clear()
-
-    def _is_ours(self, pid: int) -> bool:
-        """Guards the kill against a reused pid: the JVM's command line names our conf dir."""
-        try:
-            return str(self.conf_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            return False
+        for pid in self.processes():
+            log.warning("Flink process %d still running after stop-cluster.sh: killing it", pid)
+            os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> StandaloneCluster:
         self.start()
@@ -244,3 +245,31 @@ def _is_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def _names_dir(args: list[str], directory: Path) -> bool:
+    """True when a command-line argument is `directory` or a path inside it."""
+    inside = f"{directory}/"
+    return any(arg == str(directory) or inside in arg for arg in args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Writes a cluster's conf/ and lib/ and prints the shell lines that point PyFlink's
+    start-cluster.sh, flink and stop-cluster.sh at them: `eval "$(python -m client.flink_cluster DIR)"`."""
+    parser = argparse.ArgumentParser(prog="python -m client.flink_cluster", description=main.__doc__)
+    parser.add_argument("dir", type=Path, help="the cluster's folder (conf/, lib/, log/, pid/)")
+    parser.add_argument("--rest-port", type=int, default=8081, help="web UI and REST API (default 8081)")
+    parser.add_argument("--rpc-port", type=int, default=6123, help="JobManager RPC (default 6123)")
+    parser.add_argument("--task-slots", type=int, default=2)
+    args = parser.parse_args(argv)
+    cluster = StandaloneCluster(args.rest_port, args.dir, args.task_slots, args.rpc_port)
+    cluster.prepare()
+    for key, value in cluster.variables().items():
+        print(f"export {key}={shlex.quote(value)}")
+    print(f'export PATH={shlex.quote(VENV_BIN)}:"$PATH"')
+    print(f"PYFLINK_BIN={shlex.quote(str(PYFLINK_HOME / 'bin'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

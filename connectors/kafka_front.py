@@ -3,9 +3,10 @@
 The mock cluster speaks enough of the Kafka protocol for librdkafka, but Java kafka-clients
 and kafka-python cannot use it directly: the mock's flexible (tagged-field) encodings do not
 parse in those clients, it has no CreateTopics/DeleteTopics, its ApiVersions v3 reply is
-malformed, and a few of its error responses carry nulls where these clients require values.
-This front listens on 127.0.0.1 between the clients and the mock, opens one upstream
-connection per client connection, forwards requests and responses byte for byte, and only
+malformed, a few of its error responses carry nulls where these clients require values, and
+the transaction markers it writes have no CRC. This front listens on 127.0.0.1 between the
+clients and the mock, opens one upstream connection per client connection, forwards requests
+and responses byte for byte, and only
 
 * answers ApiVersions v3+ itself with UNSUPPORTED_VERSION in the v0 format (what a real
   broker does), so clients retry with v2, which is forwarded;
@@ -44,7 +45,6 @@ CREATE_TOPICS = 19
 DELETE_TOPICS = 20
 
 NONE = 0
-UNKNOWN_TOPIC_OR_PARTITION = 3
 INVALID_TOPIC_EXCEPTION = 17
 UNSUPPORTED_VERSION = 35
 TOPIC_ALREADY_EXISTS = 36
@@ -94,6 +94,7 @@ _MAX_FRAME = 100 * 1024 * 1024
 
 T = TypeVar("T")
 ResponseRewrite = Callable[[bytes], bytes]
+ReplySlot = asyncio.Future[bytes]
 
 
 class TopicAdmin(Protocol):
@@ -139,7 +140,7 @@ class _Reader:
         length = self.int16()
         return None if length < 0 else self._sized(length).decode()
 
-    def bytes(self) -> bytes | None:
+    def nullable_bytes(self) -> bytes | None:
         length = self.int32()
         return None if length < 0 else self._sized(length)
 
@@ -277,13 +278,13 @@ _CONTROL_BATCH = 0x20
 
 def _control_batch_crcs(body: bytes, start: int, end: int) -> list[tuple[int, int]]:
     """(offset, crc) for each v2 control batch in body[start:end]."""
-    fixes = []
+    fixes: list[tuple[int, int]] = []
     position = start
     while position + 23 <= end:  # up to and including the attributes
         (batch_length,) = struct.unpack_from(">i", body, position + 8)
         batch_end = position + 12 + batch_length
-        if batch_end > end:
-            break  # a batch the broker cut off at the fetch size limit
+        if batch_length <= 0 or batch_end > end:
+            break  # a batch cut off at the fetch size limit, or garbage
         magic = body[position + 16]
         (attributes,) = struct.unpack_from(">h", body, position + 21)
         if magic == 2 and attributes & _CONTROL_BATCH:
@@ -346,8 +347,10 @@ class SyncGroupRequest:
     @classmethod
     def parse(cls, header: RequestHeader, frame: bytes) -> SyncGroupRequest:
         reader = header.body(frame)
-        group_id, generation_id, member_id = reader.string() or "", reader.int32(), reader.string() or ""
-        pairs = reader.array(lambda: (reader.string() or "", reader.bytes() or b""))
+        group_id = reader.string() or ""
+        generation_id = reader.int32()
+        member_id = reader.string() or ""
+        pairs = reader.array(lambda: (reader.string() or "", reader.nullable_bytes() or b""))
         return cls(group_id, generation_id, member_id, dict(pairs))
 
 
@@ -381,8 +384,9 @@ class SyncGroupRepair:
             and generation_id == request.generation_id
             and request.member_id in assignments
         ):
-            return body[:error_offset] + struct.pack(">h", NONE) + _bytes(assignments[request.member_id])
-        if _Reader(body, error_offset + 2).bytes() is None:
+            assignment = assignments[request.member_id]
+            return body[:error_offset] + struct.pack(">h", NONE) + _bytes(assignment)
+        if _Reader(body, error_offset + 2).nullable_bytes() is None:
             return body[: error_offset + 2] + _bytes(b"")
         return body
 
@@ -510,9 +514,9 @@ class _Connection:
         self._upstream_reader, self._upstream_writer = upstream
         # Requests with the mock, by correlation id: the reply slot (None when the client
         # expects no response) and the response rewrite.
-        self._pending: dict[int, tuple[asyncio.Future[bytes] | None, ResponseRewrite | None]] = {}
+        self._pending: dict[int, tuple[ReplySlot | None, ResponseRewrite | None]] = {}
         # One reply slot per request that expects a response, in request order.
-        self._replies: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
+        self._replies: asyncio.Queue[ReplySlot] = asyncio.Queue()
 
     async def run(self) -> None:
         tasks = [
@@ -538,7 +542,8 @@ class _Connection:
             log.debug("request api_key=%d version=%d", header.api_key, header.api_version)
             local_reply = self._local_reply(header, frame)
             if local_reply is not None:
-                self._add_reply_slot().set_result(struct.pack(">i", header.correlation_id) + local_reply)
+                reply = struct.pack(">i", header.correlation_id) + local_reply
+                self._add_reply_slot().set_result(reply)
                 continue
             frame, rewrite = self._prepare_forward(header, frame)
             # The mock answers acks=0 produce requests too; such answers get no reply slot.
@@ -548,8 +553,8 @@ class _Connection:
             _write_frame(self._upstream_writer, frame)
             await self._upstream_writer.drain()
 
-    def _add_reply_slot(self) -> asyncio.Future[bytes]:
-        slot: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    def _add_reply_slot(self) -> ReplySlot:
+        slot: ReplySlot = asyncio.get_running_loop().create_future()
         self._replies.put_nowait(slot)
         return slot
 
@@ -565,12 +570,15 @@ class _Connection:
             return handle_delete_topics(self._front.admin, header, frame)
         return None
 
-    def _prepare_forward(self, header: RequestHeader, frame: bytes) -> tuple[bytes, ResponseRewrite | None]:
+    def _prepare_forward(
+        self, header: RequestHeader, frame: bytes
+    ) -> tuple[bytes, ResponseRewrite | None]:
         """The request bytes for the mock and the rewrite its response body needs."""
         if header.api_key == SYNC_GROUP:
             return frame, self._front.sync_group_repair.on_request(header, frame)
         if header.api_key == JOIN_GROUP:
-            frame = cap_join_group_session_timeout(header, frame, self._front.session_timeout_cap_ms)
+            cap_ms = self._front.session_timeout_cap_ms
+            frame = cap_join_group_session_timeout(header, frame, cap_ms)
         rewrite = RESPONSE_REWRITES.get(header.api_key)
         return frame, None if rewrite is None else partial(rewrite, header.api_version)
 
@@ -592,7 +600,9 @@ class _Connection:
 class KafkaFront:
     """TCP listener that makes the mock cluster usable by Java and Python Kafka clients."""
 
-    def __init__(self, admin: TopicAdmin, upstream: tuple[str, int], session_timeout_cap_ms: int) -> None:
+    def __init__(
+        self, admin: TopicAdmin, upstream: tuple[str, int], session_timeout_cap_ms: int
+    ) -> None:
         self.admin = admin
         self.session_timeout_cap_ms = session_timeout_cap_ms
         self.sync_group_repair = SyncGroupRepair()

@@ -82,9 +82,16 @@ def _load_librdkafka() -> ctypes.CDLL:
     missing = [name for name in _REQUIRED_SYMBOLS if not hasattr(lib, name)]
     if missing:
         version = lib.rd_kafka_version_str().decode()
-        raise RuntimeError(f"librdkafka {version} lacks {', '.join(missing)}; upgrade confluent-kafka")
+        raise RuntimeError(
+            f"librdkafka {version} lacks {', '.join(missing)}; upgrade confluent-kafka"
+        )
 
-    c_void_p, c_char_p, c_int, c_int32 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int32
+    c_void_p, c_char_p, c_int, c_int32 = (
+        ctypes.c_void_p,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_int32,
+    )
     signatures = {
         "rd_kafka_conf_new": (c_void_p, []),
         "rd_kafka_conf_set": (c_int, [c_void_p, c_char_p, c_char_p, c_char_p, ctypes.c_size_t]),
@@ -125,7 +132,8 @@ class MockCluster:
         if not self._cluster:
             self._lib.rd_kafka_destroy(self._rk)
             raise RuntimeError("rd_kafka_mock_cluster_new failed")
-        host, port = self._lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode().rsplit(":", 1)
+        bootstraps = self._lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode()
+        host, port = bootstraps.rsplit(":", 1)
         self.listener = (host, int(port))
         self._lib.rd_kafka_mock_set_controller_id(self._cluster, BROKER_ID)
         self._lib.rd_kafka_mock_group_initial_rebalance_delay_ms(
@@ -170,7 +178,9 @@ def _loopback_host(host: str) -> str:
     except ValueError:
         loopback = False
     if not loopback:
-        raise argparse.ArgumentTypeError(f"the development broker binds loopback addresses only, got {host!r}")
+        raise argparse.ArgumentTypeError(
+            f"the development broker binds loopback addresses only, got {host!r}"
+        )
     return host
 
 
@@ -179,8 +189,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m connectors.local_broker",
         description="In-memory development Kafka broker (data is lost on exit).",
     )
-    parser.add_argument("--host", type=_loopback_host, default="127.0.0.1", help="loopback address to bind")
-    parser.add_argument("--port", type=int, default=9092, help="port to listen on; 0 picks a free one")
+    parser.add_argument(
+        "--host", type=_loopback_host, default="127.0.0.1", help="loopback address to bind"
+    )
+    parser.add_argument(
+        "--port", type=int, default=9092, help="port to listen on; 0 picks a free one"
+    )
     parser.add_argument(
         "--session-timeout-cap-ms",
         type=int,
@@ -188,7 +202,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="upper bound for consumer group session timeouts; each rebalance after a "
         "group's first one takes this minus one second",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG logs every request)")
+    parser.add_argument(
+        "--log-level", default="INFO", help="logging level (DEBUG logs every request)"
+    )
     parser.add_argument(
         "--topic",
         type=_parse_topic,
@@ -275,7 +291,11 @@ class LocalBroker:
             command += ["--topic", f"{name}:{partitions}"]
         with open(self._log_path, "wb") as log_file:
             self._process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=self._child_env()
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self._child_env(),
             )
         try:
             self._address = self._wait_ready(timeout)
@@ -300,7 +320,9 @@ class LocalBroker:
                 if line.startswith(READY_PREFIX):
                     return line[len(READY_PREFIX) :].strip()
             if self._process.poll() is not None:
-                raise RuntimeError(f"local broker exited with {self._process.returncode}:\n{self._log_tail()}")
+                raise RuntimeError(
+                    f"local broker exited with {self._process.returncode}:\n{self._log_tail()}"
+                )
             time.sleep(0.05)
         raise RuntimeError(f"local broker not ready after {timeout} s:\n{self._log_tail()}")
 
@@ -335,7 +357,10 @@ class LocalBroker:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()
 

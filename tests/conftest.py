@@ -3,16 +3,20 @@ and embedded jobs that are always stopped, also when a test fails."""
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 import yaml
 
+from client import InputQueue, OutputQueue
 from client.processes import EmbeddedJob, LocalBroker, free_port
 from conf import ServingConfig, load_config
-from conf.sample_model import build_sample_model
+from conf.sample_model import FEATURES, build_sample_model
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +75,38 @@ def start_job(tmp_path: Path) -> Iterator[Callable[[Path, ServingConfig], Embedd
     yield start
     for job in started:
         job.stop()
+
+
+def collect(outputs: OutputQueue, count: int, timeout: float) -> dict[str, dict]:
+    """dequeue() until `count` results are in or `timeout` passes; a uri twice is a failure."""
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < deadline:
+        batch = outputs.dequeue()
+        assert not set(batch) & set(results), "a uri came back twice from dequeue()"
+        results.update(batch)
+        if not batch:
+            time.sleep(0.2)
+    return results
+
+
+def assert_served(config: ServingConfig, count: int, seed: int, timeout: float) -> None:
+    """Sends `count` sample-model requests through the client library and checks that every uri
+    gets exactly one result equal to ONNX Runtime run directly on the same input."""
+    features = np.random.default_rng(seed).normal(size=(count, FEATURES)).astype(np.float32)
+    kafka = config.kafka
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
+        kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"
+    ) as outputs:
+        for i in range(count):
+            inputs.enqueue(f"req-{i}", features=features[i])
+        inputs.flush()
+        results = collect(outputs, count, timeout)
+        assert outputs.store.duplicates == 0
+
+    assert sorted(results) == sorted(f"req-{i}" for i in range(count))
+    expected = ort.InferenceSession(str(config.model.path)).run(None, {"features": features})[0]
+    for i in range(count):
+        result = results[f"req-{i}"]
+        assert "error" not in result, result
+        np.testing.assert_allclose(result["probabilities"], expected[i], atol=1e-5)

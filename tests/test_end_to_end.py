@@ -2,51 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
-import onnxruntime as ort
 from kafka import KafkaProducer
 
 from client import InputQueue, OutputQueue
 from conf.sample_model import FEATURES
+from tests.conftest import assert_served
 
 COUNT = 2000
-
-
-def collect(outputs: OutputQueue, count: int, timeout: float) -> dict[str, dict]:
-    """dequeue() until `count` results are in or `timeout` passes."""
-    results: dict[str, dict] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < count and time.monotonic() < deadline:
-        batch = outputs.dequeue()
-        assert not set(batch) & set(results), "a uri came back twice from dequeue()"
-        results.update(batch)
-        if not batch:
-            time.sleep(0.2)
-    return results
 
 
 def test_two_thousand_requests_match_onnxruntime(write_config, start_job) -> None:
     path, config = write_config(batching={"batch_size": 32, "max_delay_ms": 20})
     start_job(path, config)
-    features = np.random.default_rng(42).normal(size=(COUNT, FEATURES)).astype(np.float32)
-    kafka = config.kafka
-    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
-        kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"
-    ) as outputs:
-        for i in range(COUNT):
-            inputs.enqueue(f"req-{i}", features=features[i])
-        inputs.flush()
-        results = collect(outputs, COUNT, timeout=120)
-        assert outputs.store.duplicates == 0
-
-    assert sorted(results) == sorted(f"req-{i}" for i in range(COUNT))
-    expected = ort.InferenceSession(str(config.model.path)).run(None, {"features": features})[0]
-    for i in range(COUNT):
-        result = results[f"req-{i}"]
-        assert "error" not in result, result
-        np.testing.assert_allclose(result["probabilities"], expected[i], atol=1e-5)
+    assert_served(config, COUNT, seed=42, timeout=120)
 
 
 def test_bad_requests_get_error_results_and_others_still_run(write_config, start_job) -> None:

@@ -1,0 +1,31 @@
+"""README command one, as a user runs it: the demo prints predictions and stops what it started."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.cli import port_in_use
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(
+    port_in_use("127.0.0.1", 9092) or port_in_use("127.0.0.1", 8081),
+    reason="the demo's fixed ports 9092 (broker) and 8081 (Flink UI) are taken on this machine",
+)
+def test_demo_prints_predictions_and_cleans_up(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "client.cli", "demo", "--no-wait", "--requests", "3", "--folder", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Flink web UI: http://127.0.0.1:8081" in result.stdout
+    predictions = re.findall(r"^demo-(\d): class (\d) \(p=0\.\d{3}\)$", result.stdout, re.MULTILINE)
+    assert sorted(uri for uri, _ in predictions) == ["0", "1", "2"], result.stdout
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "model.onnx").is_file()
+    assert not port_in_use("127.0.0.1", 9092) and not port_in_use("127.0.0.1", 8081)

@@ -1,0 +1,43 @@
+"""The serving job submitted with `flink run -py` to a standalone Flink cluster (the pip-installed
+PyFlink's start-cluster.sh), as opposed to the embedded MiniCluster of the other end-to-end tests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from collections.abc import Iterator
+
+import pytest
+
+from client.flink_cluster import StandaloneCluster
+from client.processes import flink_rest, free_port, wait_until_running
+from tests.conftest import assert_served
+
+log = logging.getLogger(__name__)
+COUNT = 200
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
+    """A running cluster; stopped at teardown, and checked to have left no process behind."""
+    standalone = StandaloneCluster(free_port(), tmp_path / "flink")
+    started = time.monotonic()
+    with standalone:
+        log.info("cluster start: %.1f s", time.monotonic() - started)
+        yield standalone
+    assert standalone.processes() == [], "Flink processes left after stop()"
+
+
+def test_flink_run_py_serves_requests(cluster: StandaloneCluster, write_config) -> None:
+    path, config = write_config(flink={"rest_port": cluster.rest_port})
+    submitted = time.monotonic()
+    job_id = cluster.submit(path)
+    wait_until_running(cluster.rest_port, job_id, timeout=120)
+    log.info("submit to running: %.1f s", time.monotonic() - submitted)
+    assert flink_rest(cluster.rest_port, "/overview")["jobs-running"] == 1
+
+    assert_served(config, COUNT, seed=7, timeout=90)
+
+    cluster.cancel(job_id)
+    assert flink_rest(cluster.rest_port, f"/jobs/{job_id}")["state"] == "CANCELED"
