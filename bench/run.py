@@ -1,11 +1,14 @@
 """End-to-end benchmark: the serving job against raw ONNX Runtime on the same model, in one run.
 
-    cluster-serving bench --requests 5000 --batch-size 32 --hidden 256
+    cluster-serving bench --requests 10000 --batch-size 32 --hidden 256
 
-Starts a local broker (unless --bootstrap names a Kafka) and the embedded job, sends a warm-up,
-then enqueues N requests through InputQueue as fast as it can (or at --rate per second), reads
-the result topic and prints throughput, latency percentiles (enqueue -> result read), and raw
-ONNX Runtime throughput at the same batch size, with the ratio of the two.
+Three figures, all measured in this run on this machine:
+1. capacity: N requests are put on the input topic before the job starts; the job then drains
+   that backlog as fast as it can, and the rate at which results reach a client is timed
+   (a warm-up share of the backlog absorbs start-up);
+2. latency: requests sent through InputQueue at a steady --rate, enqueue -> result read;
+3. raw ONNX Runtime: a plain session fed ready batches of --batch-size, same model and provider.
+The ratio printed is capacity / raw ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -25,22 +28,53 @@ from kafka import KafkaConsumer, TopicPartition
 
 from client.processes import EmbeddedJob, LocalBroker, free_port
 from client.queues import InputQueue
-from conf import load_config
+from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
+from connectors.admin import ensure_topics
 from connectors.codec import decode_message
 from job.model import open_session
 
 
 @dataclass
-class Figures:
-    requests: int
+class Arrival:
     seconds: float
-    latencies_ms: np.ndarray
-    errors: int
+    batch_size: int | None
+    error: bool
 
-    @property
-    def throughput(self) -> float:
-        return self.requests / self.seconds
+
+class ResultReader:
+    """Reads the result topic from its start and stamps when each uri's result arrived."""
+
+    def __init__(self, config: ServingConfig):
+        kafka = config.kafka
+        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, fetch_max_wait_ms=10)
+        partitions = self.consumer.partitions_for_topic(kafka.result_topic)
+        self.consumer.assign([TopicPartition(kafka.result_topic, p) for p in partitions])
+        self.consumer.seek_to_beginning()
+        self.arrivals: dict[str, Arrival] = {}
+
+    def read_until(self, uris: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(uri in self.arrivals for uri in uris) and time.monotonic() < deadline:
+            for records in self.consumer.poll(timeout_ms=100).values():
+                now = time.perf_counter()
+                for record in records:
+                    message = decode_message(record.value, 1 << 28)
+                    self.arrivals.setdefault(message.uri, Arrival(now, message.batch_size, message.error is not None))
+
+
+def enqueue_all(config: ServingConfig, uris: list[str], features: np.ndarray, rate: float,
+                sent: dict[str, float]) -> None:
+    """Sends one request per uri, at `rate` per second or as fast as possible (rate 0)."""
+    interval = 1.0 / rate if rate else 0.0
+    started = time.perf_counter()
+    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
+        for i, uri in enumerate(uris):
+            if interval:
+                time.sleep(max(0.0, started + i * interval - time.perf_counter()))
+            sent[uri] = time.perf_counter()
+            inputs.enqueue(uri, features=features[i % len(features)])
+        inputs.flush()
 
 
 def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, requests: int) -> float:
@@ -53,56 +87,6 @@ def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, requests: in
     for _ in range(runs):
         session.run(None, {"features": batch})
     return runs * batch_size / (time.perf_counter() - started)
-
-
-def read_results(consumer: KafkaConsumer, arrivals: dict[str, float], expected: int, timeout: float) -> int:
-    """Stamps each result's arrival time; returns the number of error results."""
-    errors = 0
-    deadline = time.monotonic() + timeout
-    while len(arrivals) < expected and time.monotonic() < deadline:
-        for records in consumer.poll(timeout_ms=100).values():
-            now = time.perf_counter()
-            for record in records:
-                message = decode_message(record.value, 1 << 28)
-                arrivals.setdefault(message.uri, now)
-                errors += message.error is not None
-    return errors
-
-
-def send(inputs: InputQueue, uris: list[str], features: np.ndarray, rate: float, sent: dict[str, float]) -> None:
-    interval = 1.0 / rate if rate else 0.0
-    started = time.perf_counter()
-    for i, uri in enumerate(uris):
-        if interval:
-            time.sleep(max(0.0, started + i * interval - time.perf_counter()))
-        sent[uri] = time.perf_counter()
-        inputs.enqueue(uri, features=features[i])
-    inputs.flush()
-
-
-def run_load(bootstrap: str, config_path: Path, prefix: str, requests: int, rate: float) -> Figures:
-    config = load_config(config_path)
-    kafka = config.kafka
-    features = np.random.default_rng(0).normal(size=(requests, FEATURES)).astype(np.float32)
-    uris = [f"{prefix}-{i}" for i in range(requests)]
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, fetch_max_wait_ms=10)
-    partitions = [TopicPartition(kafka.result_topic, p) for p in consumer.partitions_for_topic(kafka.result_topic)]
-    consumer.assign(partitions)
-    consumer.seek_to_end()
-    for partition in partitions:
-        consumer.position(partition)
-    sent: dict[str, float] = {}
-    arrivals: dict[str, float] = {}
-    with InputQueue(bootstrap, kafka.input_topic) as inputs:
-        sender = threading.Thread(target=send, args=(inputs, uris, features, rate, sent))
-        sender.start()
-        errors = read_results(consumer, arrivals, requests, timeout=600)
-        sender.join()
-    consumer.close()
-    done = [uri for uri in uris if uri in arrivals]
-    latencies = np.array([(arrivals[uri] - sent[uri]) * 1000 for uri in done])
-    seconds = max(arrivals.values()) - min(sent.values()) if done else float("nan")
-    return Figures(len(done), seconds, latencies, errors)
 
 
 def write_config(folder: Path, model: Path, bootstrap: str, args: argparse.Namespace) -> Path:
@@ -119,21 +103,55 @@ def write_config(folder: Path, model: Path, bootstrap: str, args: argparse.Names
     return path
 
 
-def report(args: argparse.Namespace, load: Figures, raw: float, provider: str) -> None:
-    p50, p95, p99 = np.percentile(load.latencies_ms, [50, 95, 99]) if load.requests else (float("nan"),) * 3
-    print(f"model: sample classifier {FEATURES}->{args.hidden}->10, batch_size {args.batch_size}, "
-          f"max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}, device {provider}")
-    print(f"end to end : {load.requests}/{args.requests} results, {load.errors} errors, "
-          f"{load.throughput:,.0f} req/s, latency p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms")
-    print(f"raw onnxruntime: {raw:,.0f} req/s at batch {args.batch_size}")
-    print(f"ratio end-to-end / raw onnxruntime: {load.throughput / raw:.3f}")
+def percentiles(values: list[float]) -> str:
+    p50, p95, p99 = np.percentile(values, [50, 95, 99]) if values else (float("nan"),) * 3
+    return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+
+
+def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[str, float | str]:
+    config = load_config(config_path)
+    ensure_topics(config.kafka)
+    features = np.random.default_rng(0).normal(size=(1000, FEATURES)).astype(np.float32)
+    warmup = [f"warmup-{i}" for i in range(args.warmup)]
+    backlog = [f"backlog-{i}" for i in range(args.requests)]
+    sent: dict[str, float] = {}
+    started = time.perf_counter()
+    enqueue_all(config, warmup + backlog, features, 0.0, sent)
+    enqueue_rate = len(sent) / (time.perf_counter() - started)
+
+    reader = ResultReader(config)
+    job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job.log")
+    try:
+        job.start()
+        reader.read_until(warmup + backlog, timeout=900)
+        paced = [f"paced-{i}" for i in range(args.latency_requests)]
+        sender = threading.Thread(target=enqueue_all, args=(config, paced, features, args.rate, sent))
+        sender.start()
+        reader.read_until(paced, timeout=300)
+        sender.join()
+    finally:
+        job.stop()
+    arrivals = reader.arrivals
+    missing = [uri for uri in warmup + backlog + paced if uri not in arrivals]
+    drained = [arrivals[uri].seconds for uri in backlog if uri in arrivals]
+    capacity = len(drained) / (max(drained) - max(arrivals[uri].seconds for uri in warmup))
+    sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
+    return {
+        "enqueue_rate": enqueue_rate,
+        "capacity": capacity,
+        "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
+        "latency": percentiles([(arrivals[u].seconds - sent[u]) * 1000 for u in paced if u in arrivals]),
+        "missing": len(missing),
+        "errors": sum(arrival.error for arrival in arrivals.values()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=5000)
-    parser.add_argument("--warmup", type=int, default=500)
-    parser.add_argument("--rate", type=float, default=0.0, help="requests per second; 0 = as fast as possible")
+    parser.add_argument("--requests", type=int, default=10000, help="size of the backlog drained for capacity")
+    parser.add_argument("--warmup", type=int, default=1000)
+    parser.add_argument("--latency-requests", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=200.0, help="requests per second in the latency phase")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-delay-ms", type=int, default=10)
     parser.add_argument("--parallelism", type=int, default=1)
@@ -142,26 +160,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", help="a running Kafka to use instead of a local broker")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="cs-bench-") as folder:
-        model = build_sample_model(Path(folder) / "model.onnx", hidden=args.hidden)
-        broker = None if args.bootstrap else LocalBroker(port=free_port(), log_path=Path(folder) / "broker.log")
+    with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
+        folder = Path(name)
+        model = build_sample_model(folder / "model.onnx", hidden=args.hidden)
+        broker = None if args.bootstrap else LocalBroker(port=free_port(), log_path=folder / "broker.log")
         if broker:
             broker.start()
-        bootstrap = args.bootstrap or broker.bootstrap_servers
-        config_path = write_config(Path(folder), model, bootstrap, args)
-        job = EmbeddedJob(config_path, load_config(config_path).flink.rest_port, Path(folder) / "job.log")
         try:
-            job.start()
-            run_load(bootstrap, config_path, "warmup", args.warmup, rate=0.0)
-            load = run_load(bootstrap, config_path, "bench", args.requests, args.rate)
+            figures = measure(write_config(folder, model, args.bootstrap or broker.bootstrap_servers, args), folder, args)
         finally:
-            job.stop()
             if broker:
                 broker.stop()
         # The same provider choice as the job's, so the ratio compares like with like.
         session = open_session(model, args.device)
-        report(args, load, raw_onnxruntime(session, args.batch_size, args.requests), session.get_providers()[0])
-    return 0
+        raw = raw_onnxruntime(session, args.batch_size, args.requests)
+
+    print(f"model: sample classifier {FEATURES}->{args.hidden}->10 on {session.get_providers()[0]}; "
+          f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")
+    print(f"client enqueue rate (InputQueue, one thread): {figures['enqueue_rate']:,.0f} req/s")
+    print(f"capacity (backlog of {args.requests} drained): {figures['capacity']:,.0f} req/s, "
+          f"mean batch {figures['mean_batch']:.1f}")
+    print(f"latency at {args.rate:g} req/s ({args.latency_requests} requests): {figures['latency']}")
+    print(f"raw onnxruntime at batch {args.batch_size}: {raw:,.0f} req/s")
+    print(f"ratio capacity / raw onnxruntime: {figures['capacity'] / raw:.4f}")
+    print(f"missing results: {figures['missing']}, error results: {figures['errors']}")
+    return 0 if figures["missing"] == 0 else 1
 
 
 if __name__ == "__main__":

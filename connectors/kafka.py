@@ -23,7 +23,10 @@ from conf import KafkaConfig
 KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
 
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).
-SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000"}
+# A fetch waits at most 20 ms for data: the local broker holds a fetch for the full wait even when
+# data arrives (measured: p50 latency 336 ms with the 500 ms default, 92 ms with 20 ms). Against
+# real Kafka it only means more fetches while idle; kafka.properties can set it back.
+SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "fetch.max.wait.ms": "20"}
 # Send results at once instead of waiting to fill a batch; the load is already micro-batched.
 SINK_PROPERTIES = {"linger.ms": "1"}
 
