@@ -1,11 +1,11 @@
 """End-to-end benchmark: the serving job against raw ONNX Runtime on the same model, in one run.
 
-    cluster-serving bench --requests 10000 --batch-size 32 --hidden 256
+    cluster-serving bench --requests 5000 --batch-size 32 --hidden 256
 
 Three figures, all measured in this run on this machine:
 1. capacity: N requests are put on the input topic before the job starts; the job then drains
-   that backlog as fast as it can, and the rate at which results reach a client is timed
-   (a warm-up share of the backlog absorbs start-up);
+   that backlog as fast as it can, timed by the result topic's end offset (so the client's own
+   decoding speed is not in the figure; a warm-up share of the backlog absorbs start-up);
 2. latency: requests sent through InputQueue at a steady --rate, enqueue -> result read;
 3. raw ONNX Runtime: a plain session fed ready batches of --batch-size, same model and provider.
 The ratio printed is capacity / raw ONNX Runtime.
@@ -52,6 +52,19 @@ class ResultReader:
         self.consumer.assign([TopicPartition(kafka.result_topic, p) for p in partitions])
         self.consumer.seek_to_beginning()
         self.arrivals: dict[str, Arrival] = {}
+
+    def time_offsets(self, marks: list[int], timeout: float) -> list[float]:
+        """When the result topic's total end offset first reached each mark (perf_counter)."""
+        reached: list[float] = []
+        deadline = time.monotonic() + timeout
+        partitions = list(self.consumer.assignment())
+        while len(reached) < len(marks) and time.monotonic() < deadline:
+            total = sum(self.consumer.end_offsets(partitions).values())
+            now = time.perf_counter()
+            while len(reached) < len(marks) and total >= marks[len(reached)]:
+                reached.append(now)
+            time.sleep(0.01)
+        return reached
 
     def read_until(self, uris: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -123,7 +136,8 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job.log")
     try:
         job.start()
-        reader.read_until(warmup + backlog, timeout=900)
+        warm_done, backlog_done = reader.time_offsets([len(warmup), len(warmup) + len(backlog)], timeout=900)
+        reader.read_until(warmup + backlog, timeout=300)
         paced = [f"paced-{i}" for i in range(args.latency_requests)]
         sender = threading.Thread(target=enqueue_all, args=(config, paced, features, args.rate, sent))
         sender.start()
@@ -133,8 +147,7 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
         job.stop()
     arrivals = reader.arrivals
     missing = [uri for uri in warmup + backlog + paced if uri not in arrivals]
-    drained = [arrivals[uri].seconds for uri in backlog if uri in arrivals]
-    capacity = len(drained) / (max(drained) - max(arrivals[uri].seconds for uri in warmup))
+    capacity = len(backlog) / (backlog_done - warm_done)
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
         "enqueue_rate": enqueue_rate,
@@ -148,8 +161,9 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=10000, help="size of the backlog drained for capacity")
-    parser.add_argument("--warmup", type=int, default=1000)
+    # Warm-up plus backlog stay under the local broker's ~5 MiB per partition (about 600 B each).
+    parser.add_argument("--requests", type=int, default=5000, help="size of the backlog drained for capacity")
+    parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--latency-requests", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second in the latency phase")
     parser.add_argument("--batch-size", type=int, default=32)

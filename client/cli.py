@@ -79,8 +79,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from connectors.local_broker import main as broker_main
 
     argv = ["--port", str(args.port)] + [item for topic in args.topic for item in ("--topic", topic)]
-    broker_main(argv)
-    return 0
+    return broker_main(argv)
 
 
 def cmd_start(args: argparse.Namespace) -> int:

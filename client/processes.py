@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+from connectors.local_broker import READY_PREFIX, SESSION_TIMEOUT_CAP_MS
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,9 +43,10 @@ class ChildProcess:
         self.log_path = Path(log_path) if log_path else None
         self._owns_log = log_path is None
         self.process: subprocess.Popen[bytes] | None = None
+        self.ready: re.Match[str] | None = None
 
-    def start(self, timeout: float = 60.0) -> re.Match[str]:
-        """Spawns the child and returns the ready line's match; on failure the error has the log tail."""
+    def start(self, timeout: float = 60.0) -> ChildProcess:
+        """Spawns the child and waits for its ready line (kept in `ready`); errors carry the log tail."""
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix=f"{self.module}-", suffix=".log")
             os.close(handle)
@@ -57,10 +60,11 @@ class ChildProcess:
                 env=env, start_new_session=True,
             )
         try:
-            return self._wait_for_line(timeout)
+            self.ready = self._wait_for_line(timeout)
         except BaseException:
             self.stop()
             raise
+        return self
 
     def _wait_for_line(self, timeout: float) -> re.Match[str]:
         assert self.process is not None
@@ -101,8 +105,7 @@ class ChildProcess:
             self.log_path = None
 
     def __enter__(self) -> ChildProcess:
-        self.start()
-        return self
+        return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
@@ -119,17 +122,24 @@ class LocalBroker(ChildProcess):
     """The in-memory development broker (`python -m connectors.local_broker`)."""
 
     module = "connectors.local_broker"
-    ready_pattern = re.compile(r"local broker ready on (?P<address>\S+)")
+    ready_pattern = re.compile(re.escape(READY_PREFIX) + r"(?P<address>\S+)")
 
-    def __init__(self, port: int = 0, topics: dict[str, int] | None = None, log_path: str | Path | None = None):
+    def __init__(
+        self,
+        port: int = 0,
+        topics: dict[str, int] | None = None,
+        log_path: str | Path | None = None,
+        session_timeout_cap_ms: int = SESSION_TIMEOUT_CAP_MS,
+    ):
         topic_args = [arg for name, count in (topics or {}).items() for arg in ("--topic", f"{name}:{count}")]
-        super().__init__(["--port", str(port), *topic_args], log_path)
+        cap_args = ["--session-timeout-cap-ms", str(session_timeout_cap_ms)]
+        super().__init__(["--port", str(port), *cap_args, *topic_args], log_path)
         self.bootstrap_servers = ""
 
-    def start(self, timeout: float = 20.0) -> re.Match[str]:
-        match = super().start(timeout)
-        self.bootstrap_servers = match["address"]
-        return match
+    def start(self, timeout: float = 20.0) -> LocalBroker:
+        super().start(timeout)
+        self.bootstrap_servers = self.ready["address"]
+        return self
 
 
 class EmbeddedJob(ChildProcess):
@@ -145,17 +155,17 @@ class EmbeddedJob(ChildProcess):
         self.rest_port = rest_port
         self.job_id = ""
 
-    def start(self, timeout: float = 120.0) -> re.Match[str]:
+    def start(self, timeout: float = 120.0) -> EmbeddedJob:
         """Returns once every task of the job is RUNNING."""
         deadline = time.monotonic() + timeout
-        match = super().start(timeout)
-        self.job_id = match["job_id"]
+        super().start(timeout)
+        self.job_id = self.ready["job_id"]
         try:
             wait_until_running(self.rest_port, self.job_id, deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
-        return match
+        return self
 
     @property
     def web_ui(self) -> str:

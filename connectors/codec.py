@@ -15,6 +15,7 @@ and every shape is checked against its payload.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ NUMERIC_DTYPES = frozenset(
      "float16", "float32", "float64"}
 )
 STRING_DTYPE = "str"
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 ALLOWED_DTYPES = NUMERIC_DTYPES | {STRING_DTYPE}
 
 
@@ -63,26 +65,34 @@ def encode_message(message: Message) -> bytes:
         kind = dtype_name(array)
         if kind not in ALLOWED_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {array.dtype} is not supported")
-        flat = _flat_values(array, kind)
-        metadata = {"cs.dtype": kind, "cs.shape": json.dumps(list(array.shape))}
-        fields.append(pa.field(name, pa.large_list(flat.type), metadata=metadata))
-        columns.append(pa.LargeListArray.from_arrays(pa.array([0, len(flat)], pa.int64()), flat))
+        column = _tensor_column(array, kind)
+        shape = "[" + ",".join(str(dim) for dim in array.shape) + "]"  # a JSON list, written fast
+        fields.append(pa.field(name, column.type, metadata={"cs.dtype": kind, "cs.shape": shape}))
+        columns.append(column)
     metadata = {"cs.version": FORMAT_VERSION, "cs.uri": message.uri}
     if message.error is not None:
         metadata["cs.error"] = message.error
     if message.batch_size is not None:
         metadata["cs.batch_size"] = str(message.batch_size)
-    batch = pa.record_batch(columns, schema=pa.schema(fields, metadata=metadata))
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    schema = pa.schema(fields, metadata=metadata)
+    batch = pa.record_batch(columns, schema=schema)
+    # Schema message, batch message, end-of-stream marker: the bytes pa.ipc.new_stream writes,
+    # at less than half its cost per message.
+    return schema.serialize().to_pybytes() + batch.serialize().to_pybytes() + END_OF_STREAM
 
 
-def _flat_values(array: np.ndarray, kind: str) -> pa.Array:
+def _tensor_column(array: np.ndarray, kind: str) -> pa.Array:
+    """A one-row large_list column holding the tensor's values in C order."""
     if kind == STRING_DTYPE:
-        return pa.array([str(item) for item in array.ravel()], pa.large_string())
-    return pa.array(np.ascontiguousarray(array).ravel())
+        values = pa.array([str(item) for item in array.ravel()], pa.large_string())
+    elif kind == "bool":
+        values = pa.array(array.ravel())  # Arrow packs booleans into bits
+    else:
+        # Numeric values are wrapped, not converted: ~1 us instead of ~23 us for pa.array().
+        flat = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")).reshape(-1)
+        values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size, [None, pa.py_buffer(flat)])
+    offsets = pa.py_buffer(np.array([0, len(values)], dtype=np.int64))
+    return pa.Array.from_buffers(pa.large_list(values.type), 1, [None, offsets], children=[values])
 
 
 def decode_message(payload: bytes, max_bytes: int) -> Message:
@@ -132,17 +142,24 @@ def _decode_tensor(spec: pa.Field, column: pa.Array) -> np.ndarray:
     shape = _shape(name, metadata.get("cs.shape"))
     if not pa.types.is_large_list(column.type):
         raise DecodeError(f"tensor {name!r}: values must be a large_list column")
-    values = column.values
+    values = column.flatten()  # the row's values, honouring the list offsets
     expected = pa.large_string() if kind == STRING_DTYPE else pa.from_numpy_dtype(np.dtype(kind))
     if values.type != expected:
         raise DecodeError(f"tensor {name!r}: values of type {values.type} do not match dtype {kind}")
-    if len(values) != int(np.prod(shape, dtype=np.int64)):
+    if len(values) != math.prod(shape):
         raise DecodeError(f"tensor {name!r}: {len(values)} values do not fill shape {shape}")
     if values.null_count:
         raise DecodeError(f"tensor {name!r}: null values")
     if kind == STRING_DTYPE:
         return np.array(values.to_pylist(), dtype=object).reshape(shape)
-    return values.to_numpy(zero_copy_only=False).reshape(shape)
+    if kind == "bool":
+        return values.to_numpy(zero_copy_only=False).reshape(shape)
+    dtype = np.dtype(kind)
+    if len(values) == 0:
+        return np.empty(shape, dtype=dtype)
+    # A view of the message's buffer (validated above): ~1 us instead of ~11 us for to_numpy().
+    data = values.buffers()[1]
+    return np.frombuffer(data, dtype=dtype, count=len(values), offset=values.offset * dtype.itemsize).reshape(shape)
 
 
 def _shape(name: str, text: str | None) -> tuple[int, ...]:

@@ -3,10 +3,11 @@
 The mock cluster speaks enough of the Kafka protocol for librdkafka, but Java kafka-clients
 and kafka-python cannot use it directly: the mock's flexible (tagged-field) encodings do not
 parse in those clients, it has no CreateTopics/DeleteTopics, its ApiVersions v3 reply is
-malformed, a few of its error responses carry nulls where these clients require values, and
-the transaction markers it writes have no CRC. This front listens on 127.0.0.1 between the
-clients and the mock, opens one upstream connection per client connection, forwards requests
-and responses byte for byte, and only
+malformed, a few of its error responses carry nulls where these clients require values, the
+transaction markers it writes have no CRC, and its produce responses carry a made-up log
+append time. This front listens on 127.0.0.1 between the clients and the mock, opens one
+upstream connection per client connection, forwards requests and responses byte for byte,
+and only
 
 * answers ApiVersions v3+ itself with UNSUPPORTED_VERSION in the v0 format (what a real
   broker does), so clients retry with v2, which is forwarded;
@@ -226,7 +227,7 @@ def rewrite_api_versions(version: int, body: bytes) -> bytes:
     return encode_api_versions(version, NONE, advertised_versions(upstream), throttle_ms)
 
 
-# Repairs of mock responses that Java and Python clients cannot parse
+# Repairs of mock responses that Java and Python clients cannot parse or would misread
 
 
 def fix_find_coordinator(version: int, body: bytes) -> bytes:
@@ -326,8 +327,30 @@ def fix_fetch(version: int, body: bytes) -> bytes:
     return bytes(patched)
 
 
+def fix_produce(version: int, body: bytes) -> bytes:
+    """Report no log append time, as Kafka does for CreateTime topics.
+
+    The mock answers every produce with log_append_time 1234 (1970), which clients would
+    hand to producer callbacks as the record timestamp.
+    """
+    if version < 2:
+        return body
+    patched = bytearray(body)
+    reader = _Reader(body)
+    for _ in range(reader.int32()):  # topics
+        reader.string()
+        for _ in range(reader.int32()):  # partitions
+            reader.int32(), reader.int16(), reader.int64()  # index, error_code, base_offset
+            struct.pack_into(">q", patched, reader.offset, -1)
+            reader.int64()  # log_append_time_ms
+            if version >= 5:
+                reader.int64()  # log_start_offset
+    return bytes(patched)
+
+
 # Rewrites of mock response bodies, by API key: (api_version, body) -> body.
 RESPONSE_REWRITES: dict[int, Callable[[int, bytes], bytes]] = {
+    PRODUCE: fix_produce,
     API_VERSIONS: rewrite_api_versions,
     FETCH: fix_fetch,
     FIND_COORDINATOR: fix_find_coordinator,

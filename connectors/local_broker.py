@@ -9,17 +9,22 @@ data lives in memory and is lost when the process exits. Production deployments 
 What works: topic creation (CreateTopics, the ``--topic`` option, or automatic creation with
 the mock's default of 4 partitions when a client asks Metadata for an unknown topic with
 auto-creation allowed), deletion (DeleteTopics), produce (acks 0/1/all, idempotent and
-transactional producers), fetch, consumer groups with committed offsets. Not served:
-DescribeGroups, ListGroups, DescribeConfigs, SASL, TLS and every other admin API.
+transactional producers), fetch, consumer groups with committed offsets.
+
+Limits of the mock:
+
+* each partition keeps only its newest ~5 MiB (or 100,000 batches); older records are
+  dropped, and a consumer further behind skips them (its position resets to the log start);
+* read_committed consumers also see aborted and still-open transactional records;
+* a rebalance after a group's first one (a member joins or leaves) takes the capped session
+  timeout minus one second (``SESSION_TIMEOUT_CAP_MS``);
+* no DescribeGroups, ListGroups, DescribeConfigs, SASL, TLS or other admin APIs.
 
 Run it in the foreground::
 
     python -m connectors.local_broker --port 9092 --topic requests:3
 
-or from Python, always as a separate process::
-
-    with LocalBroker(topics={"requests": 3}) as broker:
-        KafkaProducer(bootstrap_servers=broker.bootstrap_servers)
+or from Python, always as a separate process, with ``client.processes.LocalBroker``.
 """
 
 from __future__ import annotations
@@ -27,18 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import glob
 import importlib.util
 import ipaddress
 import logging
-import os
 import signal
-import subprocess
 import sys
-import tempfile
-import time
+from ctypes import c_char_p, c_int, c_int32, c_size_t, c_void_p
 from pathlib import Path
-from types import TracebackType
 
 from connectors.kafka_front import KafkaFront
 
@@ -73,12 +73,12 @@ def _load_librdkafka() -> ctypes.CDLL:
     if spec is None or spec.origin is None:
         raise RuntimeError("confluent-kafka is not installed; it carries the mock cluster")
     libs_dir = Path(spec.origin).parent.parent / "confluent_kafka.libs"
-    candidates = sorted(glob.glob(str(libs_dir / "librdkafka*.so*")))
+    candidates = sorted(libs_dir.glob("librdkafka*.so*"))
     if not candidates:
         raise RuntimeError(f"no librdkafka shared library in {libs_dir}")
     lib = ctypes.CDLL(candidates[0])
 
-    lib.rd_kafka_version_str.restype = ctypes.c_char_p
+    lib.rd_kafka_version_str.restype = c_char_p
     missing = [name for name in _REQUIRED_SYMBOLS if not hasattr(lib, name)]
     if missing:
         version = lib.rd_kafka_version_str().decode()
@@ -86,16 +86,10 @@ def _load_librdkafka() -> ctypes.CDLL:
             f"librdkafka {version} lacks {', '.join(missing)}; upgrade confluent-kafka"
         )
 
-    c_void_p, c_char_p, c_int, c_int32 = (
-        ctypes.c_void_p,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_int32,
-    )
     signatures = {
         "rd_kafka_conf_new": (c_void_p, []),
-        "rd_kafka_conf_set": (c_int, [c_void_p, c_char_p, c_char_p, c_char_p, ctypes.c_size_t]),
-        "rd_kafka_new": (c_void_p, [c_int, c_void_p, c_char_p, ctypes.c_size_t]),
+        "rd_kafka_conf_set": (c_int, [c_void_p, c_char_p, c_char_p, c_char_p, c_size_t]),
+        "rd_kafka_new": (c_void_p, [c_int, c_void_p, c_char_p, c_size_t]),
         "rd_kafka_destroy": (None, [c_void_p]),
         "rd_kafka_mock_cluster_new": (c_void_p, [c_void_p, c_int]),
         "rd_kafka_mock_cluster_destroy": (None, [c_void_p]),
@@ -174,12 +168,12 @@ def _parse_topic(spec: str) -> tuple[str, int]:
 
 def _loopback_host(host: str) -> str:
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
+        loopback = ipaddress.IPv4Address(host).is_loopback
     except ValueError:
         loopback = False
     if not loopback:
         raise argparse.ArgumentTypeError(
-            f"the development broker binds loopback addresses only, got {host!r}"
+            f"the development broker binds 127.x.x.x addresses only, got {host!r}"
         )
     return host
 
@@ -251,118 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return asyncio.run(_serve(args))
-
-
-class LocalBroker:
-    """Runs the development broker as a child process."""
-
-    def __init__(
-        self,
-        port: int = 0,
-        topics: dict[str, int] | None = None,
-        log_path: str | None = None,
-        session_timeout_cap_ms: int = SESSION_TIMEOUT_CAP_MS,
-    ) -> None:
-        self._port = port
-        self._session_timeout_cap_ms = session_timeout_cap_ms
-        self._topics = dict(topics or {})
-        self._log_path = log_path
-        self._owns_log = log_path is None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._address: str | None = None
-
-    def start(self, timeout: float = 20.0) -> LocalBroker:
-        """Spawn the broker and wait until it accepts connections."""
-        if self._process is not None:
-            raise RuntimeError("LocalBroker already started")
-        if self._log_path is None:
-            handle, self._log_path = tempfile.mkstemp(prefix="local-broker-", suffix=".log")
-            os.close(handle)
-        command = [
-            sys.executable,
-            "-m",
-            "connectors.local_broker",
-            "--port",
-            str(self._port),
-            "--session-timeout-cap-ms",
-            str(self._session_timeout_cap_ms),
-        ]
-        for name, partitions in self._topics.items():
-            command += ["--topic", f"{name}:{partitions}"]
-        with open(self._log_path, "wb") as log_file:
-            self._process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=self._child_env(),
-            )
-        try:
-            self._address = self._wait_ready(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    @staticmethod
-    def _child_env() -> dict[str, str]:
-        """Make ``connectors`` importable in the child whatever the caller's working directory."""
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        return env
-
-    def _wait_ready(self, timeout: float) -> str:
-        assert self._process is not None and self._log_path is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in Path(self._log_path).read_text(errors="replace").splitlines():
-                if line.startswith(READY_PREFIX):
-                    return line[len(READY_PREFIX) :].strip()
-            if self._process.poll() is not None:
-                raise RuntimeError(
-                    f"local broker exited with {self._process.returncode}:\n{self._log_tail()}"
-                )
-            time.sleep(0.05)
-        raise RuntimeError(f"local broker not ready after {timeout} s:\n{self._log_tail()}")
-
-    def _log_tail(self, lines: int = 40) -> str:
-        assert self._log_path is not None
-        return "\n".join(Path(self._log_path).read_text(errors="replace").splitlines()[-lines:])
-
-    @property
-    def bootstrap_servers(self) -> str:
-        if self._address is None:
-            raise RuntimeError("LocalBroker not started")
-        return self._address
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if the broker has not exited within ``timeout``; idempotent."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._address = None
-        if self._owns_log and self._log_path is not None:
-            Path(self._log_path).unlink(missing_ok=True)
-            self._log_path = None
-
-    def __enter__(self) -> LocalBroker:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

@@ -91,3 +91,22 @@ def test_refuses_truncated_and_oversized() -> None:
         decode_message(payload[: len(payload) // 2], LIMIT)
     with pytest.raises(DecodeError, match="exceeds the limit"):
         decode_message(payload, len(payload) - 1)
+
+
+def test_non_native_byte_order_round_trips_by_value() -> None:
+    big_endian = np.arange(6, dtype=">f4").reshape(2, 3)
+    decoded = decode_message(encode_message(Message("u", {"t": big_endian})), LIMIT).tensors["t"]
+    assert decoded.dtype == np.dtype("float32")
+    np.testing.assert_array_equal(decoded, big_endian)
+
+
+def test_encoding_matches_the_arrow_stream_writer() -> None:
+    """The hand-assembled stream is byte for byte what pyarrow's stream writer produces."""
+    payload = encode_message(Message("u", {"t": np.arange(5, dtype=np.int64)}))
+    with pa.ipc.open_stream(payload) as reader:
+        schema, batches = reader.schema, list(reader)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    assert sink.getvalue().to_pybytes() == payload

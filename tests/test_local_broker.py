@@ -24,7 +24,8 @@ from kafka.errors import InvalidTopicError, TopicAlreadyExistsError, UnknownTopi
 
 from connectors import kafka_front
 from connectors.kafka_front import RequestHeader, SyncGroupRepair
-from connectors.local_broker import READY_PREFIX, LocalBroker
+from client.processes import LocalBroker
+from connectors.local_broker import READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SESSION_TIMEOUT_CAP_MS = 3000
@@ -36,7 +37,8 @@ CONSUMER_SETTINGS = {
 
 
 @pytest.fixture
-def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+def fresh_broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    """A broker process of the test's own, stopped also when the test fails."""
     local = LocalBroker(
         log_path=str(tmp_path / "broker.log"), session_timeout_cap_ms=SESSION_TIMEOUT_CAP_MS
     )
@@ -48,8 +50,8 @@ def broker(tmp_path: Path) -> Iterator[LocalBroker]:
 
 
 @pytest.fixture
-def admin(broker: LocalBroker) -> Iterator[KafkaAdminClient]:
-    client = KafkaAdminClient(bootstrap_servers=broker.bootstrap_servers)
+def admin(fresh_broker: LocalBroker) -> Iterator[KafkaAdminClient]:
+    client = KafkaAdminClient(bootstrap_servers=fresh_broker.bootstrap_servers)
     try:
         yield client
     finally:
@@ -97,6 +99,8 @@ def test_cli_prints_one_ready_line_creates_topics_and_exits_cleanly_on_sigterm()
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    watchdog = threading.Timer(20, process.kill)  # a broker that never gets ready fails the test
+    watchdog.start()
     try:
         ready = process.stdout.readline()
         match = re.fullmatch(re.escape(READY_PREFIX) + r"127\.0\.0\.1:(\d+)\n", ready)
@@ -110,6 +114,7 @@ def test_cli_prints_one_ready_line_creates_topics_and_exits_cleanly_on_sigterm()
         assert process.wait(timeout=10) == 0
         assert process.stdout.read() == ""
     finally:
+        watchdog.cancel()
         process.kill()
         process.wait()
 
@@ -133,8 +138,10 @@ def test_start_failure_raises_with_the_log_tail(tmp_path: Path) -> None:
         local.stop()
 
 
-def test_api_versions_v3_is_refused_in_v0_format_and_v2_is_capped(broker: LocalBroker) -> None:
-    host, port = broker.bootstrap_servers.split(":")
+def test_api_versions_v3_is_refused_in_v0_format_and_v2_is_capped(
+    fresh_broker: LocalBroker,
+) -> None:
+    host, port = fresh_broker.bootstrap_servers.split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         refusal = kafka_request(sock, kafka_front.API_VERSIONS, 3, b"\x01\x01\x00")
         assert kafka_front.decode_api_versions(0, refusal) == (
@@ -154,15 +161,15 @@ def test_api_versions_v3_is_refused_in_v0_format_and_v2_is_capped(broker: LocalB
 
 
 def test_kafka_python_group_reads_everything_once_and_resumes_from_commits(
-    broker: LocalBroker, admin: KafkaAdminClient
+    fresh_broker: LocalBroker, admin: KafkaAdminClient
 ) -> None:
     admin.create_topics([NewTopic("orders", num_partitions=3, replication_factor=1)])
-    producer = KafkaProducer(bootstrap_servers=broker.bootstrap_servers, acks="all")
+    producer = KafkaProducer(bootstrap_servers=fresh_broker.bootstrap_servers, acks="all")
     for key, value in map(keyed, range(1000)):
         producer.send("orders", key=key, value=value)
     producer.flush()
 
-    first = group_consumer(broker, "orders", "billing")
+    first = group_consumer(fresh_broker, "orders", "billing")
     try:
         records = consume(first, 1000)
         first.commit()
@@ -177,7 +184,7 @@ def test_kafka_python_group_reads_everything_once_and_resumes_from_commits(
     producer.flush()
     producer.close()
 
-    second = group_consumer(broker, "orders", "billing")
+    second = group_consumer(fresh_broker, "orders", "billing")
     try:
         resumed = consume(second, 10)
         resumed += consume(second, 1, timeout=1.0)  # anything re-delivered would show up here
@@ -186,13 +193,15 @@ def test_kafka_python_group_reads_everything_once_and_resumes_from_commits(
     assert sorted(r.key for r in resumed) == sorted(keyed(i)[0] for i in range(1000, 1010))
 
 
-def test_second_member_joins_a_live_group(broker: LocalBroker, admin: KafkaAdminClient) -> None:
+def test_second_member_joins_a_live_group(
+    fresh_broker: LocalBroker, admin: KafkaAdminClient
+) -> None:
     admin.create_topics([NewTopic("events", num_partitions=3, replication_factor=1)])
-    first = group_consumer(broker, "events", "pair")
+    first = group_consumer(fresh_broker, "events", "pair")
     second_assignment: set[TopicPartition] = set()
 
     def join_second() -> None:
-        second = group_consumer(broker, "events", "pair")
+        second = group_consumer(fresh_broker, "events", "pair")
         try:
             deadline = time.monotonic() + 20
             while not second.assignment() and time.monotonic() < deadline:
@@ -220,7 +229,7 @@ def test_second_member_joins_a_live_group(broker: LocalBroker, admin: KafkaAdmin
     assert joined_after < 4 * SESSION_TIMEOUT_CAP_MS / 1000
 
 
-def test_topic_admin_errors(broker: LocalBroker, admin: KafkaAdminClient) -> None:
+def test_topic_admin_errors(fresh_broker: LocalBroker, admin: KafkaAdminClient) -> None:
     admin.create_topics([NewTopic("audit", num_partitions=2, replication_factor=1)])
     with pytest.raises(TopicAlreadyExistsError):
         admin.create_topics([NewTopic("audit", num_partitions=2, replication_factor=1)])
@@ -232,13 +241,24 @@ def test_topic_admin_errors(broker: LocalBroker, admin: KafkaAdminClient) -> Non
     assert "audit" not in admin.list_topics()
 
 
-def test_acks_zero_and_transactional_records_are_readable(broker: LocalBroker) -> None:
-    fire_and_forget = KafkaProducer(bootstrap_servers=broker.bootstrap_servers, acks=0)
+def test_produce_acknowledgement_carries_the_record_timestamp(fresh_broker: LocalBroker) -> None:
+    producer = KafkaProducer(bootstrap_servers=fresh_broker.bootstrap_servers, acks="all")
+    try:
+        metadata = producer.send("stamped", value=b"v", timestamp_ms=1_700_000_000_000).get(10)
+    finally:
+        producer.close()
+    assert metadata.timestamp == 1_700_000_000_000
+
+
+def test_acks_zero_and_transactional_records_are_readable(fresh_broker: LocalBroker) -> None:
+    fire_and_forget = KafkaProducer(bootstrap_servers=fresh_broker.bootstrap_servers, acks=0)
     for i in range(20):
         fire_and_forget.send("loose", value=b"%d" % i)
     fire_and_forget.close()
 
-    transactional = KafkaProducer(bootstrap_servers=broker.bootstrap_servers, transactional_id="tx")
+    transactional = KafkaProducer(
+        bootstrap_servers=fresh_broker.bootstrap_servers, transactional_id="tx"
+    )
     transactional.init_transactions()
     transactional.begin_transaction()
     for i in range(5):
@@ -246,7 +266,7 @@ def test_acks_zero_and_transactional_records_are_readable(broker: LocalBroker) -
     transactional.commit_transaction()
     transactional.close()
 
-    consumer = KafkaConsumer(bootstrap_servers=broker.bootstrap_servers, **CONSUMER_SETTINGS)
+    consumer = KafkaConsumer(bootstrap_servers=fresh_broker.bootstrap_servers, **CONSUMER_SETTINGS)
     try:
         for topic, count in (("loose", 20), ("ledger", 5)):
             partitions = consumer.partitions_for_topic(topic)
