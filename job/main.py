@@ -109,6 +109,9 @@ def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
     # or the task fails with "No module named 'pemja'" and restarts forever.
     venv_bin = str(Path(sys.executable).parent)
     os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
+    # PyFlink starts a gRPC "loopback" worker pool on all interfaces ([::]) for local jobs, used
+    # only by process mode. Thread mode never calls it; this (PyFlink's own switch) skips it.
+    os.environ["_python_worker_execution_mode"] = "process"
     env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config))
     configure_logging()
     env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 from kafka import KafkaProducer
 
@@ -37,3 +41,30 @@ def test_bad_requests_get_error_results_and_others_still_run(write_config, start
         assert "does not fit" in outputs.query("wrong-shape", timeout=10)["error"]
         assert "unknown input 'pixels'" in outputs.query("wrong-name", timeout=10)["error"]
         assert outputs.query("garbage", timeout=10)["error"].startswith("bad request: not a cluster-serving message")
+
+
+def process_group_members(pgid: int) -> set[int]:
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
+            members.add(int(stat.parent.name))
+    return members
+
+
+def listening_addresses(pids: set[int]) -> list[str]:
+    """Local addresses of TCP listeners owned by `pids`, from `ss`."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return [line.split()[3] for line in lines if set(map(int, re.findall(r"pid=(\d+)", line))) & pids]
+
+
+def test_job_and_broker_listen_on_loopback_only(broker, write_config, start_job) -> None:
+    path, config = write_config()
+    job = start_job(path, config)
+    pids = process_group_members(job.process.pid) | process_group_members(broker.process.pid)
+    addresses = listening_addresses(pids)
+    assert any(address.endswith(f":{config.flink.rest_port}") for address in addresses), addresses
+    assert all(address.startswith(("127.", "[::ffff:127.", "[::1]")) for address in addresses), addresses
