@@ -1,22 +1,30 @@
-"""Decoding: raw records of a micro-batch -> instances, or error outcomes for what cannot be read."""
+"""Decoding: raw records of a micro-batch -> requests, or error results for what cannot be read."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pyflink.common import Row
 from pyflink.datastream import MapFunction, RuntimeContext
 
-from connectors.codec import MAX_URI_CHARS, DecodeError, decode_message
-from job.records import DecodedBatch, Instance, Outcome
+from connectors.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class DecodedBatch:
+    """A micro-batch after decoding: requests to run, and error results for those that cannot be."""
+
+    instances: list[Message]
+    rejected: list[Message]
+
+
 def decode_records(records: list[Row], max_bytes: int) -> tuple[DecodedBatch, int]:
     """Returns the decoded batch and how many records were dropped for lack of a uri to answer."""
-    instances: list[Instance] = []
-    rejected: list[Outcome] = []
+    instances: list[Message] = []
+    rejected: list[Message] = []
     dropped = 0
     for key, payload in records:
         try:
@@ -24,12 +32,12 @@ def decode_records(records: list[Row], max_bytes: int) -> tuple[DecodedBatch, in
         except DecodeError as exc:
             if key and len(key) <= MAX_URI_CHARS:
                 log.warning("uri=%s rejected: %s", key, exc)
-                rejected.append(Outcome(uri=key, error=f"bad request: {exc}"))
+                rejected.append(Message(uri=key, error=f"bad request: {exc}"))
             else:
                 log.warning("record without a usable key dropped: %s", exc)
                 dropped += 1
             continue
-        instances.append(Instance(uri=message.uri, tensors=message.tensors))
+        instances.append(message)
     return DecodedBatch(instances, rejected), dropped
 
 

@@ -14,8 +14,9 @@ import numpy as np
 from pyflink.datastream import MapFunction, RuntimeContext
 
 from conf import ModelConfig
+from connectors.codec import Message
+from job.decode import DecodedBatch
 from job.model import InvalidInput, OnnxModel
-from job.records import DecodedBatch, Instance, Outcome
 
 log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]
@@ -26,16 +27,16 @@ def signature(feed: Feed) -> tuple:
     return tuple((name, value.shape, value.dtype.str) for name, value in feed.items())
 
 
-def predict(model: OnnxModel, instances: list[Instance]) -> list[Outcome]:
-    """One outcome per instance, in no particular order."""
-    outcomes: list[Outcome] = []
+def predict(model: OnnxModel, instances: list[Message]) -> list[Message]:
+    """One result per request, in no particular order."""
+    outcomes: list[Message] = []
     groups: dict[tuple, list[tuple[str, Feed]]] = {}
     for instance in instances:
         try:
             feed = model.prepare(instance.tensors)
         except InvalidInput as exc:
             log.warning("uri=%s invalid input: %s", instance.uri, exc)
-            outcomes.append(Outcome(uri=instance.uri, error=f"invalid input: {exc}"))
+            outcomes.append(Message(uri=instance.uri, error=f"invalid input: {exc}"))
             continue
         groups.setdefault(signature(feed), []).append((instance.uri, feed))
     for group in groups.values():
@@ -43,7 +44,7 @@ def predict(model: OnnxModel, instances: list[Instance]) -> list[Outcome]:
     return outcomes
 
 
-def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]:
+def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Message]:
     try:
         results = model.run([feed for _, feed in group])
     except Exception as exc:
@@ -51,9 +52,9 @@ def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]
             # Find the instance that broke the run; its neighbours still get results.
             return [outcome for member in group for outcome in _run_group(model, [member])]
         log.warning("uri=%s inference failed: %s", group[0][0], exc)
-        return [Outcome(uri=group[0][0], error=f"inference failed: {exc}")]
+        return [Message(uri=group[0][0], error=f"inference failed: {exc}")]
     return [
-        Outcome(uri=uri, outputs=outputs, batch_size=len(group))
+        Message(uri=uri, tensors=outputs, batch_size=len(group))
         for (uri, _), outputs in zip(group, results)
     ]
 
@@ -74,7 +75,7 @@ class InferBatch(MapFunction):
         self.inference_ms = group.distribution("inferenceTimeMs")
         self.inference_errors = group.counter("inferenceErrors")
 
-    def map(self, value: DecodedBatch) -> list[Outcome]:
+    def map(self, value: DecodedBatch) -> list[Message]:
         started = time.perf_counter()
         outcomes = predict(self.model, value.instances)
         if value.instances:

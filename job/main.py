@@ -27,7 +27,7 @@ from connectors.admin import ensure_topics  # noqa: E402
 from connectors.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
 from job.batch import BatchKey, MicroBatcher  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
-from job.encode import EncodeOutcomes  # noqa: E402
+from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
 from job.model import ModelError, OnnxModel  # noqa: E402
 
@@ -88,7 +88,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
         .process(MicroBatcher(config.batching)).name("micro-batch").uid("micro-batch")
         .map(DecodeBatch(config.limits.max_instance_bytes)).name("decode").uid("decode")
         .map(InferBatch(config.model, config.device)).name("infer").uid("infer")
-        .flat_map(EncodeOutcomes(), output_type=KEYED_BYTES).name("encode").uid("encode")
+        .flat_map(EncodeResults(), output_type=KEYED_BYTES).name("encode").uid("encode")
     )
     results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
 
