@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from py4j.java_gateway import JavaObject
@@ -140,8 +142,9 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def run(config: ServingConfig) -> None:
-    """Submits the job and, unless detached, blocks until it ends (Ctrl-C cancels it)."""
+def run(config: ServingConfig) -> int:
+    """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then cancels it) or
+    until the job ends by itself; returns the exit code."""
     env = create_environment(config)
     build_pipeline(env, config)
     client = env.execute_async(JOB_NAME)
@@ -151,12 +154,19 @@ def run(config: ServingConfig) -> None:
         config.kafka.input_topic, config.kafka.result_topic, config.kafka.bootstrap_servers,
     )
     if not attached(env):
-        return
-    try:
-        client.get_job_execution_result().result()
-    except KeyboardInterrupt:
-        log.info("stopping job %s", client.get_job_id())
-        client.cancel().result()
+        return 0
+    # A signal only sets a flag: interrupting a py4j call mid-flight would log a traceback.
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        status = client.get_job_status().result()
+        if status.is_globally_terminal_state():
+            log.error("job %s ended: %s (see the Flink log)", client.get_job_id(), status.name)
+            return 1
+    log.info("stopping job %s", client.get_job_id())
+    client.cancel().result()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run(config)
-    return 0
+    return run(config)
 
 
 if __name__ == "__main__":
