@@ -72,7 +72,7 @@ class InferBatch(MapFunction):
         log.info("opened %s on %s (batched runs: %s)", config.path, self.model.provider, self.model.batched)
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.batch_sizes = group.distribution("batchSize")
-        self.inference_ms = group.distribution("inferenceTimeMs")
+        self.inference_us = group.distribution("inferenceTimeUs")
         self.inference_errors = group.counter("inferenceErrors")
 
     def map(self, value: DecodedBatch) -> list[Message]:
@@ -80,6 +80,6 @@ class InferBatch(MapFunction):
         outcomes = predict(self.model, value.instances)
         if value.instances:
             self.batch_sizes.update(len(value.instances))
-            self.inference_ms.update(int((time.perf_counter() - started) * 1000))
+            self.inference_us.update(int((time.perf_counter() - started) * 1_000_000))
         self.inference_errors.inc(sum(1 for outcome in outcomes if outcome.error))
         return value.rejected + outcomes

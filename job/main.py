@@ -106,16 +106,26 @@ def preflight(config: ServingConfig) -> None:
     ensure_topics(config.kafka)
 
 
-def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
+def prepare_process_environment(config: ServingConfig) -> str:
+    """Environment variables PyFlink reads when it launches the embedded Flink JVM; returns the
+    folder of Flink's own log."""
     # Thread mode embeds the Python found first on PATH into the JVM: it must be this venv's,
     # or the task fails with "No module named 'pemja'" and restarts forever.
-    venv_bin = str(Path(sys.executable).parent)
-    os.environ["PATH"] = os.pathsep.join([venv_bin, os.environ.get("PATH", "")])
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     # PyFlink starts a gRPC "loopback" worker pool on all interfaces ([::]) for local jobs, used
     # only by process mode. Thread mode never calls it; this (PyFlink's own switch) skips it.
     os.environ["_python_worker_execution_mode"] = "process"
+    # Flink's own log (JobManager, TaskManager, Kafka clients) goes next to the config file, not
+    # into the venv; an explicit FLINK_LOG_DIR wins.
+    config_dir = config.source.parent if config.source else Path.cwd()
+    return os.environ.setdefault("FLINK_LOG_DIR", str(config_dir / "log"))
+
+
+def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
+    log_dir = prepare_process_environment(config)
     env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config))
     configure_logging()
+    log.info("Flink log folder: %s", log_dir)
     env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))
     env.set_parallelism(config.flink.parallelism)
     env.enable_checkpointing(config.flink.checkpoint_interval_ms)

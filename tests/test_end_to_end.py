@@ -41,6 +41,9 @@ def test_bad_requests_get_error_results_and_others_still_run(write_config, start
         assert "does not fit" in outputs.query("wrong-shape", timeout=10)["error"]
         assert "unknown input 'pixels'" in outputs.query("wrong-name", timeout=10)["error"]
         assert outputs.query("garbage", timeout=10)["error"].startswith("bad request: not a cluster-serving message")
+    flink_log = "".join(log.read_text(errors="replace") for log in (path.parent / "log").glob("*.log"))
+    for uri in ("wrong-shape", "wrong-name", "garbage"):
+        assert f"uri={uri} " in flink_log, f"no log line names uri={uri}"
 
 
 def process_group_members(pgid: int) -> set[int]:
