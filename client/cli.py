@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.run(args)
-    except ConfigError as exc:
+    except (ConfigError, RuntimeError) as exc:  # RuntimeError: a child that did not start, with its log
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -135,9 +135,12 @@ class OutputQueue:
             self._poll(min(remaining, 0.5))
 
     def dequeue(self) -> dict[str, Result]:
-        """All results that reached the topic so far, removed from the queue (offsets committed)."""
-        while self._poll(0.05) or not self._caught_up():
-            pass
+        """All results that reached the topic before this call, removed from the queue (offsets
+        committed). Results arriving meanwhile wait for the next call, so it always returns."""
+        if self._assign():
+            targets = self._consumer.end_offsets(self._partitions)
+            while any(self._consumer.position(tp) < targets[tp] for tp in self._partitions):
+                self._poll(0.05)
         results = self.store.take_all()
         if self._partitions:
             self._consumer.commit()
@@ -166,12 +169,6 @@ class OutputQueue:
                     continue
                 self.store.add(message.uri, result_of(message))
         return count
-
-    def _caught_up(self) -> bool:
-        if not self._partitions:
-            return True
-        ends = self._consumer.end_offsets(self._partitions)
-        return all(self._consumer.position(tp) >= ends[tp] for tp in self._partitions)
 
     def close(self) -> None:
         self._consumer.close()
