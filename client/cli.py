@@ -90,7 +90,10 @@ def cmd_start(args: argparse.Namespace) -> int:
     try:
         return job.wait()
     except KeyboardInterrupt:
-        return job.wait()  # the job got the same Ctrl-C and cancels itself
+        # Ctrl-C reached the job too, but a SIGTERM sent to this process alone did not: pass it on
+        # (the job only sets its stop flag, so a second signal is harmless).
+        job.send_signal(signal.SIGINT)
+        return job.wait()
     finally:
         if broker:
             broker.stop()
