@@ -17,16 +17,14 @@ import argparse
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import yaml
 from kafka import KafkaConsumer, TopicPartition
 
-from client.processes import EmbeddedJob, LocalBroker, free_port
+from client.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
@@ -102,20 +100,6 @@ def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, requests: in
     return runs * batch_size / (time.perf_counter() - started)
 
 
-def write_config(folder: Path, model: Path, bootstrap: str, args: argparse.Namespace) -> Path:
-    run_id = uuid.uuid4().hex[:8]
-    path = folder / "bench-config.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model)},
-        "kafka": {"bootstrap_servers": bootstrap, "input_topic": f"bench-in-{run_id}",
-                  "result_topic": f"bench-out-{run_id}", "group_id": f"bench-{run_id}"},
-        "batching": {"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
-        "flink": {"rest_port": free_port(), "parallelism": args.parallelism},
-        "device": args.device,
-    }))
-    return path
-
-
 def percentiles(values: list[float]) -> str:
     p50, p95, p99 = np.percentile(values, [50, 95, 99]) if values else (float("nan"),) * 3
     return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
@@ -181,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         if broker:
             broker.start()
         try:
-            figures = measure(write_config(folder, model, args.bootstrap or broker.bootstrap_servers, args), folder, args)
+            config_path = write_run_config(
+                folder, model, args.bootstrap or broker.bootstrap_servers,
+                batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
+                flink={"parallelism": args.parallelism}, device=args.device,
+            )
+            figures = measure(config_path, folder, args)
         finally:
             if broker:
                 broker.stop()

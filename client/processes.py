@@ -16,8 +16,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import yaml
 
 from connectors.local_broker import READY_PREFIX, SESSION_TIMEOUT_CAP_MS
 
@@ -29,6 +33,27 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def write_run_config(folder: Path, model: Path, bootstrap: str, **sections: Any) -> Path:
+    """A config file of its own for one run: fresh topic names, group id and REST port, so runs
+    sharing a broker never see each other's records. `sections` override, e.g. batching={...}."""
+    run_id = uuid.uuid4().hex[:8]
+    raw: dict[str, Any] = {
+        "model": {"path": str(model)},
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "input_topic": f"requests-{run_id}",
+            "result_topic": f"results-{run_id}",
+            "group_id": f"serving-{run_id}",
+        },
+        "flink": {"rest_port": free_port()},
+    }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    path = folder / f"config-{run_id}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 class ChildProcess:

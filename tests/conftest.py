@@ -4,17 +4,15 @@ and embedded jobs that are always stopped, also when a test fails."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import pytest
-import yaml
 
 from client import InputQueue, OutputQueue
-from client.processes import EmbeddedJob, LocalBroker, free_port
+from client.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
 
@@ -41,21 +39,8 @@ def write_config(tmp_path: Path, broker: LocalBroker, sample_model: Path) -> Wri
     """Writes a config with fresh topic names, group id and REST port; keyword sections override."""
 
     def write(**sections: dict) -> tuple[Path, ServingConfig]:
-        run_id = uuid.uuid4().hex[:8]
-        raw: dict = {
-            "model": {"path": str(sample_model)},
-            "kafka": {
-                "bootstrap_servers": broker.bootstrap_servers,
-                "input_topic": f"requests-{run_id}",
-                "result_topic": f"results-{run_id}",
-                "group_id": f"serving-{run_id}",
-            },
-            "flink": {"rest_port": free_port(), "checkpoint_interval_ms": 1000},
-        }
-        for section, values in sections.items():
-            raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
-        path = tmp_path / f"config-{run_id}.yaml"
-        path.write_text(yaml.safe_dump(raw))
+        flink = {"checkpoint_interval_ms": 1000, **sections.pop("flink", {})}
+        path = write_run_config(tmp_path, sample_model, broker.bootstrap_servers, flink=flink, **sections)
         return path, load_config(path)
 
     return write
