@@ -196,34 +196,48 @@ def test_kafka_python_group_reads_everything_once_and_resumes_from_commits(
 def test_second_member_joins_a_live_group(
     fresh_broker: LocalBroker, admin: KafkaAdminClient
 ) -> None:
+    """Both members keep polling until the group has settled on a split of the partitions; the
+    split is read while both are members (a member that has left would trigger a new rebalance)."""
     admin.create_topics([NewTopic("events", num_partitions=3, replication_factor=1)])
     first = group_consumer(fresh_broker, "events", "pair")
-    second_assignment: set[TopicPartition] = set()
+    second_view = [frozenset[TopicPartition]()]  # replaced whole by the thread, read by the test
+    stop = threading.Event()
 
-    def join_second() -> None:
+    def run_second() -> None:
         second = group_consumer(fresh_broker, "events", "pair")
         try:
-            deadline = time.monotonic() + 20
-            while not second.assignment() and time.monotonic() < deadline:
+            while not stop.is_set():
                 second.poll(timeout_ms=100)
-            second_assignment.update(second.assignment())
+                second_view[0] = frozenset(second.assignment())
         finally:
             second.close()
 
+    def settled(first_assignment: set[TopicPartition]) -> bool:
+        second_assignment = second_view[0]
+        return (
+            bool(second_assignment)
+            and first_assignment.isdisjoint(second_assignment)
+            and len(first_assignment | second_assignment) == 3
+        )
+
+    joiner = threading.Thread(target=run_second)
     try:
         while not first.assignment():
             first.poll(timeout_ms=100)
         started = time.monotonic()
-        joiner = threading.Thread(target=join_second)
         joiner.start()
-        while joiner.is_alive():
+        deadline = started + 20
+        while not settled(first.assignment()) and time.monotonic() < deadline:
             first.poll(timeout_ms=100)
         joined_after = time.monotonic() - started
-        first_assignment = first.assignment()
+        first_assignment, seen_second = set(first.assignment()), second_view[0]
     finally:
+        stop.set()
+        if joiner.ident is not None:  # started
+            joiner.join()
         first.close()
-    assert second_assignment and first_assignment.isdisjoint(second_assignment)
-    assert {tp.partition for tp in first_assignment | second_assignment} == {0, 1, 2}
+    assert seen_second and first_assignment.isdisjoint(seen_second)
+    assert {tp.partition for tp in first_assignment | seen_second} == {0, 1, 2}
     # One rebalance takes the capped session timeout minus 1 s; a member that rejoins late
     # costs the mock another session timeout or two.
     assert joined_after < 4 * SESSION_TIMEOUT_CAP_MS / 1000
