@@ -2,9 +2,11 @@
 
 from conf.schema import (
     DEFAULT_CONFIG_PATH,
+    JOB_NAME,
     BatchingConfig,
     ConfigError,
     FlinkConfig,
+    HttpConfig,
     KafkaConfig,
     LimitsConfig,
     ModelConfig,
@@ -14,9 +16,11 @@ from conf.schema import (
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "JOB_NAME",
     "BatchingConfig",
     "ConfigError",
     "FlinkConfig",
+    "HttpConfig",
     "KafkaConfig",
     "LimitsConfig",
     "ModelConfig",

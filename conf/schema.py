@@ -19,6 +19,8 @@ BUILD_JARS = PROJECT_ROOT / "build" / "jars"
 CONNECTOR_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar")
 HELPER_JAR = "cluster-serving-flink.jar"
 DEVICES = ("auto", "cpu", "cuda")
+# The Flink job's name: the HTTP bridge and the CLI find the running job by it.
+JOB_NAME = "cluster-serving"
 
 
 class ConfigError(ValueError):
@@ -27,6 +29,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
+    name: str
     path: Path
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
@@ -67,6 +70,19 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    host: str
+    port: int
+    request_timeout_s: float
+    max_body_bytes: int
+    max_instances: int
+    rate_limit_per_s: float
+    rate_limit_burst: int
+    token_env: str
+    flink_rest_url: str
+
+
+@dataclass(frozen=True)
 class ServingConfig:
     model: ModelConfig
     kafka: KafkaConfig
@@ -74,6 +90,7 @@ class ServingConfig:
     flink: FlinkConfig
     device: str
     limits: LimitsConfig
+    http: HttpConfig
     source: Path | None = None
 
     def check_files(self) -> None:
@@ -145,6 +162,7 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
         raise ConfigError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
     return ServingConfig(
         model=ModelConfig(
+            name=_text(model["name"], "model.name"),
             path=_path(model["path"], "model.path", base_dir),
             inputs=tuple(_string_list(model["inputs"], "model.inputs")),
             outputs=tuple(_string_list(model["outputs"], "model.outputs")),
@@ -175,8 +193,38 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
                 raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024
             )
         ),
+        http=_http(raw["http"], flink["rest_port"]),
         source=source,
     )
+
+
+def _http(http: dict[str, Any], flink_rest_port: int) -> HttpConfig:
+    rate = _number(http["rate_limit_per_s"], "http.rate_limit_per_s", low=0)
+    burst = _int(http["rate_limit_burst"], "http.rate_limit_burst", low=0)
+    if rate and not burst:
+        raise ConfigError("http.rate_limit_burst: must be >= 1 when http.rate_limit_per_s is set")
+    token_env = http["token_env"] or ""
+    if not isinstance(token_env, str):
+        raise ConfigError(f"http.token_env: must be the name of an environment variable, got {token_env!r}")
+    return HttpConfig(
+        host=_text(http["host"], "http.host"),
+        port=_int(http["port"], "http.port", low=0, high=65535),
+        request_timeout_s=_number(http["request_timeout_s"], "http.request_timeout_s", low=0.001),
+        max_body_bytes=_int(http["max_body_bytes"], "http.max_body_bytes", low=1024),
+        max_instances=_int(http["max_instances"], "http.max_instances", low=1),
+        rate_limit_per_s=rate,
+        rate_limit_burst=burst,
+        token_env=token_env.strip(),
+        flink_rest_url=(http["flink_rest_url"] or f"http://127.0.0.1:{flink_rest_port}").rstrip("/"),
+    )
+
+
+def _number(value: Any, name: str, low: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: must be a number, got {value!r}")
+    if value < low:
+        raise ConfigError(f"{name}: must be >= {low}, got {value}")
+    return float(value)
 
 
 def _int(value: Any, name: str, low: int, high: int | None = None) -> int:

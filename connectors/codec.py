@@ -2,7 +2,8 @@
 
 Format version 1 (the README has the full description):
 - schema metadata `cs.version` = "1", `cs.uri` = the request's uri, and for results optionally
-  `cs.error` (the error message; no tensors then) and `cs.batch_size` (the batch it ran in);
+  `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in) and
+  `cs.inference_us` (that batch's inference time in microseconds);
 - one column per named tensor, of type large_list<T> with exactly one row holding the tensor's
   values flattened in C order; field metadata `cs.dtype` (numpy dtype name) and `cs.shape`
   (JSON list of ints).
@@ -46,6 +47,7 @@ class Message:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     error: str | None = None
     batch_size: int | None = None
+    inference_us: int | None = None
 
 
 def dtype_name(array: np.ndarray) -> str:
@@ -74,6 +76,8 @@ def encode_message(message: Message) -> bytes:
         metadata["cs.error"] = message.error
     if message.batch_size is not None:
         metadata["cs.batch_size"] = str(message.batch_size)
+    if message.inference_us is not None:
+        metadata["cs.inference_us"] = str(message.inference_us)
     schema = pa.schema(fields, metadata=metadata)
     batch = pa.record_batch(columns, schema=schema)
     # Schema message, batch message, end-of-stream marker: the bytes pa.ipc.new_stream writes,
@@ -124,13 +128,18 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
         schema.field(i).name: _decode_tensor(schema.field(i), batches[0].column(i))
         for i in range(batches[0].num_columns)
     }
-    batch_size = metadata.get("cs.batch_size")
     return Message(
         uri=uri,
         tensors=tensors,
         error=metadata.get("cs.error"),
-        batch_size=int(batch_size) if batch_size and batch_size.isdigit() else None,
+        batch_size=_count(metadata.get("cs.batch_size")),
+        inference_us=_count(metadata.get("cs.inference_us")),
     )
+
+
+def _count(text: str | None) -> int | None:
+    """An optional non-negative integer of the metadata; anything else is ignored, not trusted."""
+    return int(text) if text and text.isdigit() and len(text) < 19 else None
 
 
 def _decode_tensor(spec: pa.Field, column: pa.Array) -> np.ndarray:

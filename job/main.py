@@ -24,7 +24,7 @@ from pyflink.java_gateway import get_gateway
 if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a plain script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conf import ConfigError, ServingConfig, load_config  # noqa: E402
+from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
 from connectors.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
 from job.batch import BatchKey, MicroBatcher  # noqa: E402
@@ -34,7 +34,6 @@ from job.infer import InferBatch  # noqa: E402
 from job.model import ModelError, OnnxModel  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")
-JOB_NAME = "cluster-serving"
 
 
 def configure_logging() -> None:
