@@ -7,10 +7,13 @@ Timers record seconds; both views show milliseconds, as the BigDL programming gu
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
-from pyformance import MetricsRegistry
-from pyformance.meters import Counter, Timer
+# pyformance 0.4 (unmaintained, see README) imports the deprecated pkg_resources at import time.
+warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+from pyformance import MetricsRegistry  # noqa: E402
+from pyformance.meters import Counter, Timer  # noqa: E402
 
 PREFIX = "cluster_serving.http"
 REQUEST = f"{PREFIX}.request"            # a whole HTTP predict/infer request
@@ -21,6 +24,9 @@ REQUESTS_BY_STATUS = f"{PREFIX}.responses"  # + ".<status>": counters
 LATE_RESULTS = f"{PREFIX}.late_results"
 PERCENTILES = (("_75thPercentile", 0.75), ("_95thPercentile", 0.95), ("_98thPercentile", 0.98),
                ("_99thPercentile", 0.99), ("_999thPercentile", 0.999))
+
+
+TIMER_FIELDS = ("min", "max", "mean", "median", "stdDev", *(label for label, _ in PERCENTILES))
 
 
 class BridgeMetrics:
@@ -67,7 +73,7 @@ class BridgeMetrics:
                 for label, quantile in (("0.5", 0.5), *((str(q), q) for _, q in PERCENTILES)):
                     lines.append(f'{metric_name}_seconds{{quantile="{label}"}} {snapshot.get_percentile(quantile)}')
                 lines.append(f"{metric_name}_seconds_sum {metric.get_sum()}")
-                lines.append(f"{metric_name}_seconds_count {metric.get_count()}")
+                lines.append(f"{metric_name}_seconds_count {int(metric.get_count())}")
             else:
                 lines.append(f"# TYPE {metric_name}_total counter")
                 lines.append(f"{metric_name}_total {metric.get_count()}")
@@ -75,10 +81,13 @@ class BridgeMetrics:
 
 
 def _timer_fields(timer: Timer) -> dict[str, Any]:
+    count = int(timer.get_count())
+    if not count:  # pyformance reports +-2**31 s as min/max of an empty timer
+        return {"count": 0, "meanRate": 0.0, **{field: 0.0 for field in TIMER_FIELDS}}
     snapshot = timer.get_snapshot()
     ms = 1000.0
     fields = {
-        "count": timer.get_count(),
+        "count": count,
         "meanRate": timer.get_mean_rate(),
         "min": timer.get_min() * ms,
         "max": timer.get_max() * ms,

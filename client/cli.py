@@ -2,8 +2,9 @@
 
     cluster-serving init [DIR]                 starter config.yaml + sample model.onnx in DIR
     cluster-serving broker [--port 9092]       the local in-memory development broker
-    cluster-serving start [-c CONFIG] [--local-broker]
-                                               the job on an embedded Flink MiniCluster
+    cluster-serving start [-c CONFIG] [--local-broker] [--no-http]
+                                               the job on an embedded Flink MiniCluster + HTTP bridge
+    cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
 """
@@ -11,17 +12,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 
-from client.processes import EmbeddedJob, LocalBroker
+from client.processes import EmbeddedJob, HttpBridge, LocalBroker
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
@@ -83,43 +86,61 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    """The job and the bridge as two child processes; when one ends, the other is stopped too."""
     config = load_config(args.config)
     broker = start_local_broker(config) if args.local_broker else None
-    command = [sys.executable, "-m", "job.main"] + (["--config", args.config] if args.config else [])
-    job = subprocess.Popen(command)
+    config_args = ["--config", args.config] if args.config else []
+    modules = ["job.main"] + ([] if args.no_http else ["client.http_bridge"])
+    children = [subprocess.Popen([sys.executable, "-m", module, *config_args]) for module in modules]
     try:
-        return job.wait()
+        while all(child.poll() is None for child in children):
+            time.sleep(0.5)
     except KeyboardInterrupt:
-        # Ctrl-C reached the job too, but a SIGTERM sent to this process alone did not: pass it on
-        # (the job only sets its stop flag, so a second signal is harmless).
-        job.send_signal(signal.SIGINT)
-        return job.wait()
+        pass  # Ctrl-C reached the children too, but a SIGTERM sent to this process alone did not
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)  # both only set a stop flag: a second one is harmless
+        codes = [child.wait() for child in children]
         if broker:
             broker.stop()
+    return max(codes)
+
+
+def cmd_http(args: argparse.Namespace) -> int:
+    from client.http_bridge import serve
+
+    return serve(args.config)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     config_path = init_folder(Path(args.folder))
     config = load_config(config_path)
     broker = start_local_broker(config)
-    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=Path(args.folder) / "job.log")
+    folder = Path(args.folder)
+    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log")
+    bridge = HttpBridge(config_path, log_path=folder / "http.log")
     try:
         print("starting the serving job on an embedded Flink MiniCluster ...")
         job.start()
         print(f"job {job.job_id} running; Flink web UI: {job.web_ui}; job log: {job.log_path}")
+        bridge.start()
+        print(f"HTTP bridge: {bridge.url} (POST /predict, GET /metrics, /v1 and /v2 routes); log: {bridge.log_path}")
         show_sample_predictions(config, args.requests)
+        show_http_prediction(bridge.url)
         if args.no_wait:
             return 0
         print("serving; press Ctrl-C to stop")
-        while job.running:
+        while job.running and bridge.running:
             time.sleep(1)
-        print("the job stopped on its own; its log:\n" + job.log_tail())
+        stopped = job if not job.running else bridge
+        print(f"{stopped.module} stopped on its own; its log:\n" + stopped.log_tail())
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
         print("stopping ...")
+        bridge.stop()
         job.stop()
         if broker:
             broker.stop()
@@ -149,6 +170,18 @@ def show_sample_predictions(config: ServingConfig, count: int) -> None:
                 print(f"{uri}: class {top} (p={probabilities[top]:.3f})")
 
 
+def show_http_prediction(url: str) -> None:
+    """One request through the HTTP bridge, and the curl line that does the same."""
+    features = np.round(np.random.default_rng().normal(size=FEATURES), 3).tolist()
+    body = json.dumps({"instances": [{"features": features}]})
+    request = urllib.request.Request(f"{url}/predict", data=body.encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        probabilities = json.load(response)["predictions"][0]
+    top = int(np.argmax(probabilities))
+    print(f"POST {url}/predict: class {top} (p={probabilities[top]:.3f})")
+    print(f"try: curl -d '{body}' {url}/predict")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="cluster-serving", description=__doc__.splitlines()[0])
     commands = root.add_subparsers(dest="command", required=True)
@@ -165,7 +198,12 @@ def parser() -> argparse.ArgumentParser:
     start = commands.add_parser("start", help="run the job on an embedded Flink MiniCluster")
     start.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
     start.add_argument("--local-broker", action="store_true", help="also start the development broker")
+    start.add_argument("--no-http", action="store_true", help="do not start the HTTP bridge")
     start.set_defaults(run=cmd_start)
+
+    http = commands.add_parser("http", help="run the HTTP bridge alone")
+    http.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    http.set_defaults(run=cmd_http)
 
     demo = commands.add_parser("demo", help="broker + job + sample requests with printed predictions")
     demo.add_argument("--folder", default="run/demo", help="where the demo's config and model go")

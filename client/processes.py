@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from client.http_bridge import READY_LINE
 from connectors.local_broker import READY_PREFIX, SESSION_TIMEOUT_CAP_MS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +165,22 @@ class LocalBroker(ChildProcess):
     def start(self, timeout: float = 20.0) -> LocalBroker:
         super().start(timeout)
         self.bootstrap_servers = self.ready["address"]
+        return self
+
+
+class HttpBridge(ChildProcess):
+    """The HTTP bridge (`python -m client.http_bridge --config ...`); `url` once it is ready."""
+
+    module = "client.http_bridge"
+    ready_pattern = re.compile(re.escape(READY_LINE) + r"(?P<url>\S+)")
+
+    def __init__(self, config_path: str | Path, log_path: str | Path | None = None):
+        super().__init__(["--config", str(config_path)], log_path)
+        self.url = ""
+
+    def start(self, timeout: float = 30.0) -> HttpBridge:
+        super().start(timeout)
+        self.url = self.ready["url"]
         return self
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
@@ -43,3 +44,16 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
                 pass
     finally:
         admin.close()
+
+
+def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """True when a TCP connection to any bootstrap address opens: a cheap liveness probe that
+    needs no Kafka client (whose bootstrap connection closes once it has the cluster's metadata)."""
+    for address in bootstrap_servers.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False

@@ -1,0 +1,192 @@
+"""The serving state behind the HTTP routes: enqueue instances with fresh uris, await their results.
+
+`Bridge` owns the Kafka producer, the single result-topic reader (`ResultWaiter`), the metrics,
+the rate limit and the readiness check; `client.http` only turns HTTP into calls on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaError
+
+from client.bridge_metrics import BridgeMetrics
+from client.http_json import RequestError
+from client.instances import encode_request
+from client.model_info import read_signature
+from client.queues import result_of
+from client.result_waiter import ResultWaiter
+from conf import JOB_NAME, ConfigError, ServingConfig
+from connectors.admin import broker_reachable, client_properties, ensure_topics
+from connectors.codec import Message
+
+log = logging.getLogger("cluster_serving.bridge")
+READINESS_TTL_S = 1.0
+# Error results the job writes for its own failures; all others are about the request.
+SERVER_SIDE_ERRORS = ("inference failed", "result not encodable", "unreadable result")
+
+
+class TokenBucket:
+    """Allows `rate` requests per second on average and bursts of up to `burst`."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens = float(burst)
+        self.updated = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class Bridge:
+    def __init__(self, config: ServingConfig):
+        self.config = config
+        self.model_name = config.model.name
+        self.signature = read_signature(config.model.path, config.model.outputs)
+        self.image_inputs = frozenset(config.preprocess.images)
+        self.metrics = BridgeMetrics()
+        self.token = bearer_token(config.http.token_env)
+        http = config.http
+        self.limiter = TokenBucket(http.rate_limit_per_s, http.rate_limit_burst) if http.rate_limit_per_s else None
+        self.uri_prefix = f"http-{uuid.uuid4().hex[:12]}-"
+        self._sequence = itertools.count()
+        self._ready: tuple[float, str | None] = (0.0, "not checked yet")
+        self.producer: KafkaProducer | None = None
+        self.waiter: ResultWaiter | None = None
+
+    async def start(self) -> None:
+        """Creates missing topics, connects the producer and puts the result reader at the end."""
+        kafka = self.config.kafka
+        await asyncio.to_thread(ensure_topics, kafka)
+        try:
+            await asyncio.to_thread(self._connect, asyncio.get_running_loop())
+        except KafkaError as exc:
+            raise ConfigError(f"kafka.bootstrap_servers: {kafka.bootstrap_servers}: {exc}") from None
+
+    def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        kafka = self.config.kafka
+        properties = client_properties(kafka)
+        self.producer = KafkaProducer(
+            bootstrap_servers=kafka.bootstrap_servers, linger_ms=1, acks="all",
+            # The producer's 1 MiB default would refuse large instances before the job could.
+            max_request_size=self.config.limits.max_instance_bytes + 65536,
+            **properties,
+        )
+        self.waiter = ResultWaiter(
+            kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.late_results.inc,
+            **properties,
+        )
+        self.waiter.start(loop)
+
+    async def stop(self) -> None:
+        if self.waiter:
+            await asyncio.to_thread(self.waiter.stop)
+        if self.producer:
+            await asyncio.to_thread(self.producer.close, 5)
+
+    async def not_ready_reason(self) -> str | None:
+        """None when requests can be served: broker connected, result reader alive, job running.
+        Cached for a second, so probes and requests do not each ask Flink."""
+        checked, reason = self._ready
+        if time.monotonic() - checked > READINESS_TTL_S:
+            reason = await asyncio.to_thread(self._check_ready)
+            self._ready = (time.monotonic(), reason)
+        return reason
+
+    def _check_ready(self) -> str | None:
+        if self.producer is None or self.waiter is None or not self.waiter.alive:
+            return "the bridge is not connected to Kafka"
+        if not broker_reachable(self.config.kafka.bootstrap_servers):
+            return f"no Kafka broker reachable at {self.config.kafka.bootstrap_servers}"
+        url = f"{self.config.http.flink_rest_url}/jobs/overview"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                jobs = json.load(response)["jobs"]
+        except (OSError, ValueError, KeyError) as exc:
+            return f"Flink REST API not reachable at {url} ({exc})"
+        if not any(job.get("name") == JOB_NAME and job.get("state") == "RUNNING" for job in jobs):
+            return f"no running {JOB_NAME!r} job on {self.config.http.flink_rest_url}"
+        return None
+
+    def admit(self) -> None:
+        """Applies the rate limit to one predict request."""
+        if self.limiter is not None and not self.limiter.take():
+            raise RequestError("rate limit exceeded, retry later", 429)
+
+    async def infer(self, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Enqueues each instance under a fresh uri and returns their results in order."""
+        reason = await self.not_ready_reason()
+        if reason:
+            raise RequestError(f"not ready: {reason}", 503)
+        with self.metrics.enqueue.time():
+            records = [(f"{self.uri_prefix}{next(self._sequence)}", data) for data in instances]
+            payloads = [self._encode(i, uri, data) for i, (uri, data) in enumerate(records)]
+        assert self.waiter is not None and self.producer is not None
+        futures = [self.waiter.expect(uri) for uri, _ in records]
+        try:
+            for (uri, _), payload in zip(records, payloads):
+                self._send(uri, payload)
+            with self.metrics.wait_result.time():
+                timeout = self.config.http.request_timeout_s
+                try:
+                    messages = await asyncio.wait_for(asyncio.gather(*futures), timeout)
+                except asyncio.TimeoutError:
+                    raise RequestError(f"no result within {timeout:g} s", 504) from None
+                except KafkaError as exc:
+                    raise RequestError(f"could not enqueue the request: {exc}", 503) from None
+        finally:
+            for uri, _ in records:
+                self.waiter.forget(uri)
+        return [self._result(i, message) for i, message in enumerate(messages)]
+
+    def _encode(self, index: int, uri: str, data: dict[str, Any]) -> bytes:
+        try:
+            payload = encode_request(uri, data)
+        except (ValueError, OSError) as exc:
+            raise RequestError(f"instance {index}: {exc}") from None
+        limit = self.config.limits.max_instance_bytes
+        if len(payload) > limit:
+            raise RequestError(f"instance {index}: {len(payload)} bytes encoded, over the limit of {limit}", 413)
+        return payload
+
+    def _send(self, uri: str, payload: bytes) -> None:
+        assert self.producer is not None and self.waiter is not None
+        loop, waiter = asyncio.get_running_loop(), self.waiter
+        try:
+            sent = self.producer.send(self.config.kafka.input_topic, key=uri.encode(), value=payload)
+        except Exception as exc:
+            raise RequestError(f"could not enqueue the request: {exc}", 503) from None
+        sent.add_errback(lambda exc: loop.call_soon_threadsafe(waiter.fail, uri, exc))
+
+    def _result(self, index: int, message: Message) -> dict[str, Any]:
+        if message.inference_us is not None:
+            self.metrics.record_inference_us(message.inference_us)
+        if message.error is not None:
+            status = 500 if message.error.startswith(SERVER_SIDE_ERRORS) else 400
+            raise RequestError(f"instance {index}: {message.error}", status)
+        return result_of(message)
+
+
+def bearer_token(env_name: str) -> str | None:
+    """The token from the environment variable the config names; named but empty is an error."""
+    if not env_name:
+        return None
+    token = os.environ.get(env_name, "")
+    if not token:
+        raise ConfigError(f"http.token_env: environment variable {env_name} is not set or empty")
+    return token
