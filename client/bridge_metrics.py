@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 # pyformance 0.4 (unmaintained, see README) imports the deprecated pkg_resources at import time.
-warnings.filterwarnings("ignore", message="pkg_resources is deprecated", category=UserWarning)
+warnings.filterwarnings("ignore", message=".*pkg_resources")
 from pyformance import MetricsRegistry  # noqa: E402
 from pyformance.meters import Counter, Timer  # noqa: E402
 

@@ -17,7 +17,7 @@ import sys
 from typing import Annotated, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
@@ -198,6 +198,8 @@ def add_request_hooks(app: FastAPI, bridge: Bridge) -> None:
 
 def add_routes(app: FastAPI, bridge: Bridge) -> None:
     name = bridge.model_name
+    # The served name as the documented example, so generated requests (schemathesis) reach it.
+    model_path = Path(examples=[name], description="the served model's name (model.name)")
 
     def check_model(model_name: str) -> None:
         if model_name != name:
@@ -238,12 +240,12 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         return {"models": [name]}
 
     @app.get("/v1/models/{model_name}", responses=errors(401, 404), tags=["KServe v1"])
-    async def v1_model(model_name: str) -> dict[str, Any]:
+    async def v1_model(model_name: str = model_path) -> dict[str, Any]:
         check_model(model_name)
         return {"name": name, "ready": await bridge.not_ready_reason() is None}
 
     @app.post("/v1/models/{model_name}:predict", response_model=PredictResponse, responses=PREDICT_ERRORS, tags=["KServe v1"])
-    async def v1_predict(model_name: str, body: PredictRequest) -> PredictResponse:
+    async def v1_predict(body: PredictRequest, model_name: str = model_path) -> PredictResponse:
         check_model(model_name)
         return await predict_instances(body.instances)
 
@@ -263,7 +265,7 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         return {"ready": True}
 
     @app.get("/v2/models/{model_name}", response_model=ModelMetadata, responses=errors(401, 404), tags=["KServe v2"])
-    async def v2_metadata(model_name: str) -> ModelMetadata:
+    async def v2_metadata(model_name: str = model_path) -> ModelMetadata:
         check_model(model_name)
         signature = bridge.signature
         return ModelMetadata(
@@ -273,7 +275,7 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         )
 
     @app.get("/v2/models/{model_name}/ready", responses=errors(401, 404, 503), tags=["KServe v2"])
-    async def v2_model_ready(model_name: str) -> dict[str, Any]:
+    async def v2_model_ready(model_name: str = model_path) -> dict[str, Any]:
         check_model(model_name)
         reason = await bridge.not_ready_reason()
         if reason:
@@ -284,7 +286,7 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         "/v2/models/{model_name}/infer", response_model=InferResponse, response_model_exclude_none=True,
         responses=PREDICT_ERRORS, tags=["KServe v2"],
     )
-    async def v2_infer(model_name: str, body: InferRequest) -> InferResponse:
+    async def v2_infer(body: InferRequest, model_name: str = model_path) -> InferResponse:
         """Open inference protocol: the inputs' first dimension is the batch, split into instances."""
         check_model(model_name)
         bridge.admit()

@@ -70,7 +70,7 @@ class ResultWaiter:
     def forget(self, uri: str) -> None:
         """Releases a uri whose request gave up (timeout, client gone); a later result is counted late."""
         future = self._pending.pop(uri, None)
-        if future is not None and not future.done():
+        if future is not None:  # still registered: no result came (a timeout may have cancelled it)
             future.cancel()
             self._timed_out[uri] = None
             while len(self._timed_out) > REMEMBER_TIMED_OUT:

@@ -1,0 +1,245 @@
+"""The HTTP bridge over real parts: broker process, embedded PyFlink job, bridge process, real HTTP.
+
+One job serves the sample model for the whole module; bridges with other settings (token, rate
+limit, tiny timeout, no Flink to ask) run beside the main one against the same job and topics.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import yaml
+
+from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from conf import load_config
+from conf.sample_model import FEATURES
+from tests.conftest import http_call
+
+TOKEN = "test-token-5f1c"
+
+
+class Stack:
+    """The module's job and main bridge, and a way to start more bridges on the same topics."""
+
+    def __init__(self, folder: Path, config_path: Path, job: EmbeddedJob, bridge: HttpBridge):
+        self.folder, self.config_path, self.job, self.bridge = folder, config_path, job, bridge
+        self.url = bridge.url
+        self.config = load_config(config_path)
+        self.session = ort.InferenceSession(str(self.config.model.path))
+        self.extra: list[HttpBridge] = []
+
+    def expected(self, features: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {"features": features.astype(np.float32)})[0]
+
+    def another_bridge(self, **http: object) -> str:
+        """A bridge with `http` settings changed, reading the same job's topics; stopped at the end."""
+        raw = yaml.safe_load(self.config_path.read_text())
+        raw["http"] = {**raw.get("http", {}), "port": free_port(), **http}
+        path = self.folder / f"bridge-{len(self.extra)}.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        bridge = HttpBridge(path, log_path=self.folder / f"bridge-{len(self.extra)}.log")
+        self.extra.append(bridge)
+        return bridge.start().url
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, broker: LocalBroker, sample_model: Path) -> Iterator[Stack]:
+    folder = tmp_path_factory.mktemp("http")
+    config_path = write_run_config(
+        folder, sample_model, broker.bootstrap_servers,
+        flink={"checkpoint_interval_ms": 1000}, http={"port": free_port()},
+    )
+    job = EmbeddedJob(config_path, load_config(config_path).flink.rest_port, log_path=folder / "job.log")
+    bridge = HttpBridge(config_path, log_path=folder / "bridge.log")
+    try:
+        job.start()
+        bridge.start()
+        running = Stack(folder, config_path, job, bridge)
+        yield running
+    finally:
+        for process in [*getattr(locals().get("running"), "extra", []), bridge, job]:
+            process.stop()
+
+
+def features(count: int, seed: int) -> np.ndarray:
+    return np.round(np.random.default_rng(seed).normal(size=(count, FEATURES)), 4).astype(np.float32)
+
+
+def test_predict_v1_and_v2_match_onnxruntime(stack: Stack) -> None:
+    rows = features(3, seed=1)
+    expected = stack.expected(rows)
+    instances = [{"features": row.tolist()} for row in rows]
+    for route in ("/predict", "/v1/models/model:predict"):
+        status, body = http_call(f"{stack.url}{route}", {"instances": instances})
+        assert status == 200, body
+        np.testing.assert_allclose(np.array(body["predictions"]), expected, atol=1e-5)
+
+    request = {"id": "r-1", "inputs": [{"name": "features", "shape": [3, FEATURES], "datatype": "FP32", "data": rows.ravel().tolist()}]}
+    status, body = http_call(f"{stack.url}/v2/models/model/infer", request)
+    assert status == 200, body
+    assert body["model_name"] == "model" and body["id"] == "r-1"
+    (output,) = body["outputs"]
+    assert output["name"] == "probabilities" and output["datatype"] == "FP32" and output["shape"] == [3, 10]
+    np.testing.assert_allclose(np.array(output["data"]).reshape(3, 10), expected, atol=1e-5)
+
+
+def test_model_and_health_routes(stack: Stack) -> None:
+    assert http_call(f"{stack.url}/v1/models") == (200, {"models": ["model"]})
+    assert http_call(f"{stack.url}/v1/models/model") == (200, {"name": "model", "ready": True})
+    assert http_call(f"{stack.url}/v2/health/live") == (200, {"live": True})
+    assert http_call(f"{stack.url}/v2/health/ready") == (200, {"ready": True})
+    assert http_call(f"{stack.url}/v2/models/model/ready") == (200, {"name": "model", "ready": True})
+    status, metadata = http_call(f"{stack.url}/v2/models/model")
+    assert status == 200 and metadata["platform"] == "onnxruntime_onnx"
+    assert metadata["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, FEATURES]}]
+    assert metadata["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 10]}]
+    status, openapi = http_call(f"{stack.url}/openapi.json")
+    assert status == 200 and "/v2/models/{model_name}/infer" in openapi["paths"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "message"),
+    [
+        ("/predict", "{not json", 400, "body is not valid JSON"),
+        ("/predict", {"instance": []}, 400, "instances: Field required"),
+        ("/predict", {"instances": []}, 400, "instances: List should have at least 1 item"),
+        ("/predict", {"instances": [{"features": [1.0, 2.0]}]}, 400, "instance 0: invalid input: input 'features': shape (2,)"),
+        ("/predict", {"instances": [{"features": ["a"] * FEATURES}]}, 400, "expects float32 numbers, got strings"),
+        ("/predict", {"instances": [{"features": [[1.0], [1.0, 2.0]]}]}, 400, "nested lists must be rectangular"),
+        ("/predict", {"instances": [{"pixels": [1.0] * FEATURES}]}, 400, "unknown input 'pixels'"),
+        ("/v1/models/other:predict", {"instances": [{"features": [1.0] * FEATURES}]}, 404, "model 'other' not found"),
+        ("/v2/models/other", None, 404, "model 'other' not found"),
+        ("/no/such/route", None, 404, "no route /no/such/route"),
+        ("/v2/models/model/infer", {"inputs": [{"name": "features", "shape": [2, FEATURES], "datatype": "FP32", "data": [1.0]}]},
+         400, "1 values do not fill shape [2, 16]"),
+        ("/v2/models/model/infer", {"inputs": [{"name": "features", "shape": [1, FEATURES], "datatype": "FP99", "data": [1.0] * FEATURES}]},
+         400, "unknown datatype 'FP99'"),
+    ],
+)
+def test_errors_are_json_with_the_right_status(stack: Stack, route: str, body: object, status: int, message: str) -> None:
+    got_status, got = http_call(f"{stack.url}{route}", body)
+    assert got_status == status, got
+    assert list(got) == ["error"] and message in got["error"], got
+
+
+def test_size_rate_and_token_guards(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CS_TEST_TOKEN", TOKEN)
+    url = stack.another_bridge(
+        token_env="CS_TEST_TOKEN", max_body_bytes=4096, max_instances=2, rate_limit_per_s=0.5, rate_limit_burst=2
+    )
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    one = {"instances": [{"features": [0.5] * FEATURES}]}
+    assert http_call(f"{url}/predict", one)[0] == 401
+    assert http_call(f"{url}/predict", one, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert http_call(f"{url}/v2/health/live") == (200, {"live": True})  # probes need no token
+    status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.5] * 1000}]}, headers=auth)
+    assert status == 413 and "over the limit of 4096 bytes" in body["error"]
+    status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.5] * FEATURES}] * 3}, headers=auth)
+    assert status == 413 and "3 instances, over the limit of 2" in body["error"]
+    # The body-size check comes before the rate limit, the instance count after: one token spent,
+    # one left of the burst of 2; the next request within 2 s is refused.
+    assert http_call(f"{url}/predict", one, headers=auth)[0] == 200
+    status, body = http_call(f"{url}/predict", one, headers=auth)
+    assert status == 429 and "rate limit" in body["error"]
+    time.sleep(2.1)
+    status, body = http_call(f"{url}/predict", one, headers=auth)
+    assert status == 200, body
+
+
+def test_not_ready_without_a_running_job(stack: Stack) -> None:
+    url = stack.another_bridge(flink_rest_url=f"http://127.0.0.1:{free_port()}")
+    status, body = http_call(f"{url}/v2/health/ready")
+    assert status == 503 and "Flink REST API not reachable" in body["error"]
+    assert http_call(f"{url}/v2/models/model/ready")[0] == 503
+    assert http_call(f"{url}/v1/models/model") == (200, {"name": "model", "ready": False})
+    status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.5] * FEATURES}]})
+    assert status == 503 and body["error"].startswith("not ready")
+
+
+def test_timeout_gives_504_and_the_late_result_is_dropped(stack: Stack) -> None:
+    url = stack.another_bridge(request_timeout_s=0.001)
+    status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.5] * FEATURES}]})
+    assert status == 504 and "no result within 0.001 s" in body["error"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and metric(url, "cluster_serving.http.late_results")["count"] < 1:
+        time.sleep(0.2)
+    assert metric(url, "cluster_serving.http.late_results")["count"] == 1
+    assert metric(url, "cluster_serving.http.responses.504")["count"] == 1
+
+
+def metric(url: str, name: str) -> dict:
+    status, metrics = http_call(f"{url}/metrics")
+    assert status == 200
+    return next((entry for entry in metrics if entry["name"] == name), {"name": name, "count": 0})
+
+
+def test_64_concurrent_clients_get_their_own_answers_and_metrics_count_them(stack: Stack) -> None:
+    clients, per_client = 64, 50
+    before = metric(stack.url, "cluster_serving.http.request")["count"]
+    rows = features(clients * per_client, seed=7)
+    expected = stack.expected(rows)
+
+    def client(index: int) -> list[tuple[int, object]]:
+        answers = []
+        for j in range(per_client):
+            row = index * per_client + j
+            answers.append((row, http_call(f"{stack.url}/predict", {"instances": [{"features": rows[row].tolist()}]})))
+        return answers
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = [answer for batch in pool.map(client, range(clients)) for answer in batch]
+    elapsed = time.monotonic() - started
+    assert len(answers) == clients * per_client
+    for row, (status, body) in answers:
+        assert status == 200, body
+        np.testing.assert_allclose(body["predictions"][0], expected[row], atol=1e-5)
+
+    request_timer = metric(stack.url, "cluster_serving.http.request")
+    assert request_timer["count"] - before == clients * per_client
+    assert metric(stack.url, "cluster_serving.job.inference")["count"] >= clients * per_client
+    print(
+        f"\n{clients} clients x {per_client} requests: {len(answers) / elapsed:.0f} req/s, "
+        f"bridge request p50 {request_timer['median']:.1f} ms, p99 {request_timer['_99thPercentile']:.1f} ms"
+    )
+    status, text = http_call(f"{stack.url}/metrics/prometheus")
+    assert status == 200 and "cluster_serving_http_request_seconds_count" in text
+
+
+def test_flink_ui_shows_the_operator_metrics(stack: Stack) -> None:
+    """The job's metrics as the Flink web UI reads them (REST), after the module's requests."""
+    http_call(f"{stack.url}/predict", {"instances": [{"features": [0.5] * FEATURES}]})
+    wanted = {"numRecordsIn", "numRecordsOut", "batchSize", "inferenceTimeUs", "decodeErrors", "inferenceErrors"}
+    found: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not wanted <= found:
+        job = stack.job.rest(f"/jobs/{stack.job.job_id}")
+        for vertex in job["vertices"]:
+            names = [item["id"] for item in stack.job.rest(f"/jobs/{stack.job.job_id}/vertices/{vertex['id']}/metrics")]
+            found |= {want for want in wanted for name in names if name.endswith(want)}
+        time.sleep(1)
+    assert wanted <= found, f"missing in the Flink REST API: {wanted - found}"
+
+
+def test_openapi_fuzzing_finds_no_undocumented_server_errors(stack: Stack) -> None:
+    """schemathesis drives every route from /openapi.json; 5xx other than 503/504 fail it, and so
+    do statuses or bodies the document does not declare."""
+    result = subprocess.run(
+        [
+            Path(sys.executable).with_name("schemathesis"), "run", f"{stack.url}/openapi.json",
+            "--checks", "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance",
+            "--max-examples", "25", "--seed", "7", "--request-timeout", "40", "--phases", "examples,coverage,fuzzing",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "passed" in result.stdout
