@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import signal
 import socket
 import sys
 from typing import Annotated, Any
@@ -344,6 +345,10 @@ def listen(host: str, port: int) -> socket.socket:
 async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
     """Connects to Kafka first, so the ready line means requests can be enqueued and answered."""
     await bridge.start()
+    # uvicorn handles SIGINT/SIGTERM while it serves, then raises the signal again for the handler
+    # below it: a no-op one, so the cleanup here finishes instead of being cancelled.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
     try:
         server = uvicorn.Server(
             uvicorn.Config(create_app(bridge), log_level="warning", access_log=False, lifespan="off")

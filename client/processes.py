@@ -37,8 +37,8 @@ def free_port() -> int:
 
 
 def write_run_config(folder: Path, model: Path, bootstrap: str, **sections: Any) -> Path:
-    """A config file of its own for one run: fresh topic names, group id and REST port, so runs
-    sharing a broker never see each other's records. `sections` override, e.g. batching={...}."""
+    """A config file of its own for one run: fresh topic names, group id, REST and HTTP ports, so
+    runs sharing a broker never see each other's records. `sections` override, e.g. batching={...}."""
     run_id = uuid.uuid4().hex[:8]
     raw: dict[str, Any] = {
         "model": {"path": str(model)},
@@ -49,6 +49,7 @@ def write_run_config(folder: Path, model: Path, bootstrap: str, **sections: Any)
             "group_id": f"serving-{run_id}",
         },
         "flink": {"rest_port": free_port()},
+        "http": {"port": free_port()},
     }
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values

@@ -14,9 +14,12 @@ from client.cli import port_in_use
 ROOT = Path(__file__).resolve().parent.parent
 
 
+DEMO_PORTS = (9092, 8081, 10020)  # broker, Flink web UI, HTTP bridge
+
+
 @pytest.mark.skipif(
-    port_in_use("127.0.0.1", 9092) or port_in_use("127.0.0.1", 8081),
-    reason="the demo's fixed ports 9092 (broker) and 8081 (Flink UI) are taken on this machine",
+    any(port_in_use("127.0.0.1", port) for port in DEMO_PORTS),
+    reason="the demo's fixed ports 9092 (broker), 8081 (Flink UI) or 10020 (HTTP) are taken on this machine",
 )
 def test_demo_prints_predictions_and_cleans_up(tmp_path: Path) -> None:
     result = subprocess.run(
@@ -27,5 +30,6 @@ def test_demo_prints_predictions_and_cleans_up(tmp_path: Path) -> None:
     assert "Flink web UI: http://127.0.0.1:8081" in result.stdout
     predictions = re.findall(r"^demo-(\d): class (\d) \(p=0\.\d{3}\)$", result.stdout, re.MULTILINE)
     assert sorted(uri for uri, _ in predictions) == ["0", "1", "2"], result.stdout
+    assert re.search(r"^POST http://127\.0\.0\.1:10020/predict: class \d \(p=0\.\d{3}\)$", result.stdout, re.MULTILINE)
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "model.onnx").is_file()
-    assert not port_in_use("127.0.0.1", 9092) and not port_in_use("127.0.0.1", 8081)
+    assert not any(port_in_use("127.0.0.1", port) for port in DEMO_PORTS)

@@ -56,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, broker: LocalBroker, sample_
     folder = tmp_path_factory.mktemp("http")
     config_path = write_run_config(
         folder, sample_model, broker.bootstrap_servers,
-        flink={"checkpoint_interval_ms": 1000}, http={"port": free_port()},
+        flink={"checkpoint_interval_ms": 1000},
     )
     job = EmbeddedJob(config_path, load_config(config_path).flink.rest_port, log_path=folder / "job.log")
     bridge = HttpBridge(config_path, log_path=folder / "bridge.log")
@@ -230,7 +230,7 @@ def test_flink_ui_shows_the_operator_metrics(stack: Stack) -> None:
     assert wanted <= found, f"missing in the Flink REST API: {wanted - found}"
 
 
-def test_openapi_fuzzing_finds_no_undocumented_server_errors(stack: Stack) -> None:
+def test_openapi_fuzzing_finds_no_undocumented_server_errors(stack: Stack, tmp_path: Path) -> None:
     """schemathesis drives every route from /openapi.json; 5xx other than 503/504 fail it, and so
     do statuses or bodies the document does not declare."""
     result = subprocess.run(
@@ -239,7 +239,7 @@ def test_openapi_fuzzing_finds_no_undocumented_server_errors(stack: Stack) -> No
             "--checks", "not_a_server_error,status_code_conformance,response_schema_conformance,content_type_conformance",
             "--max-examples", "25", "--seed", "7", "--request-timeout", "40", "--phases", "examples,coverage,fuzzing",
         ],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,  # it writes a .schemathesis folder
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout
