@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from client.flink_cluster import StandaloneCluster
-from client.processes import flink_rest, free_port, wait_until_running
-from tests.conftest import assert_served
+from client.processes import HttpBridge, flink_rest, free_port, wait_until_running
+from conf.sample_model import FEATURES
+from tests.conftest import assert_served, http_call
 
 log = logging.getLogger(__name__)
 COUNT = 200
@@ -38,6 +39,11 @@ def test_flink_run_py_serves_requests(cluster: StandaloneCluster, write_config) 
     assert flink_rest(cluster.rest_port, "/overview")["jobs-running"] == 1
 
     assert_served(config, COUNT, seed=7, timeout=90)
+    # The bridge finds the job on the cluster's REST API (http.flink_rest_url defaults to it here).
+    with HttpBridge(path, log_path=path.parent / "bridge.log") as bridge:
+        assert http_call(f"{bridge.url}/v2/health/ready") == (200, {"ready": True})
+        status, body = http_call(f"{bridge.url}/predict", {"instances": [{"features": [0.1] * FEATURES}]})
+        assert status == 200 and len(body["predictions"][0]) == 10, body
 
     cluster.cancel(job_id)
     assert flink_rest(cluster.rest_port, f"/jobs/{job_id}")["state"] == "CANCELED"
