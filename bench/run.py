@@ -2,18 +2,22 @@
 
     cluster-serving bench --requests 5000 --batch-size 32 --hidden 256
 
-Three figures, all measured in this run on this machine:
+Four figures, all measured in this run on this machine:
 1. capacity: N requests are put on the input topic before the job starts; the job then drains
    that backlog as fast as it can, timed by the result topic's end offset (so the client's own
    decoding speed is not in the figure; a warm-up share of the backlog absorbs start-up);
 2. latency: requests sent through InputQueue at a steady --rate, enqueue -> result read;
-3. raw ONNX Runtime: a plain session fed ready batches of --batch-size, same model and provider.
-The ratio printed is capacity / raw ONNX Runtime.
+3. HTTP: --http-clients concurrent clients, each sending one-instance POST /predict requests over
+   a kept-alive connection to the HTTP bridge: throughput and latency as the clients see them;
+4. raw ONNX Runtime: a plain session fed ready batches of --batch-size, same model and provider.
+The ratios printed are capacity / raw ONNX Runtime and HTTP throughput / raw ONNX Runtime.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import json
 import tempfile
 import threading
 import time
@@ -24,7 +28,7 @@ import numpy as np
 import onnxruntime as ort
 from kafka import KafkaConsumer, TopicPartition
 
-from client.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
+from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
@@ -88,6 +92,35 @@ def enqueue_all(config: ServingConfig, uris: list[str], features: np.ndarray, ra
         inputs.flush()
 
 
+def http_load(url: str, features: np.ndarray, clients: int, requests: int) -> dict[str, float | str]:
+    """`clients` threads share `requests` one-instance /predict calls; every answer must be a 200."""
+    host, port = url.removeprefix("http://").split(":")
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    def client(index: int) -> None:
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        for i in range(index, requests, clients):
+            body = json.dumps({"instances": [{"features": features[i % len(features)].tolist()}]})
+            started = time.perf_counter()
+            connection.request("POST", "/predict", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+            latencies.append((time.perf_counter() - started) * 1000)
+            if response.status != 200:
+                failures.append(f"{response.status} {answer[:200]!r}")
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    return {"http_rate": len(latencies) / elapsed, "http_latency": percentiles(latencies), "http_failures": len(failures)}
+
+
 def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, requests: int) -> float:
     """Requests per second of a plain InferenceSession fed ready batches (no Kafka, no Flink)."""
     batch = np.random.default_rng(1).normal(size=(batch_size, FEATURES)).astype(np.float32)
@@ -127,6 +160,8 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
         sender.start()
         reader.read_until(paced, timeout=300)
         sender.join()
+        with HttpBridge(config_path, folder / "bridge.log") as bridge:
+            served = http_load(bridge.url, features, args.http_clients, args.http_requests)
     finally:
         job.stop()
     arrivals = reader.arrivals
@@ -140,6 +175,7 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
         "latency": percentiles([(arrivals[u].seconds - sent[u]) * 1000 for u in paced if u in arrivals]),
         "missing": len(missing),
         "errors": sum(arrival.error for arrival in arrivals.values()),
+        **served,
     }
 
 
@@ -150,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--latency-requests", type=int, default=1000)
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second in the latency phase")
+    parser.add_argument("--http-clients", type=int, default=32, help="concurrent clients in the HTTP phase")
+    parser.add_argument("--http-requests", type=int, default=2000, help="one-instance requests in the HTTP phase")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-delay-ms", type=int, default=10)
     parser.add_argument("--parallelism", type=int, default=1)
@@ -184,10 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"capacity (backlog of {args.requests} drained): {figures['capacity']:,.0f} req/s, "
           f"mean batch {figures['mean_batch']:.1f}")
     print(f"latency at {args.rate:g} req/s ({args.latency_requests} requests): {figures['latency']}")
+    print(f"HTTP /predict, {args.http_clients} clients x one instance ({args.http_requests} requests): "
+          f"{figures['http_rate']:,.0f} req/s, {figures['http_latency']}, non-200 answers: {figures['http_failures']}")
     print(f"raw onnxruntime at batch {args.batch_size}: {raw:,.0f} req/s")
-    print(f"ratio capacity / raw onnxruntime: {figures['capacity'] / raw:.4f}")
+    print(f"ratio capacity / raw onnxruntime: {figures['capacity'] / raw:.4f}; "
+          f"HTTP / raw onnxruntime: {figures['http_rate'] / raw:.4f}")
     print(f"missing results: {figures['missing']}, error results: {figures['errors']}")
-    return 0 if figures["missing"] == 0 else 1
+    return 0 if figures["missing"] == 0 and figures["http_failures"] == 0 else 1
 
 
 if __name__ == "__main__":
