@@ -23,7 +23,6 @@ from client.bridge_metrics import BridgeMetrics
 from client.http_json import RequestError
 from client.instances import encode_request
 from client.model_info import read_signature
-from client.queues import result_of
 from client.result_waiter import ResultWaiter
 from conf import JOB_NAME, ConfigError, ServingConfig
 from connectors.admin import broker_reachable, client_properties, ensure_topics
@@ -32,7 +31,7 @@ from connectors.codec import Message
 log = logging.getLogger("cluster_serving.bridge")
 READINESS_TTL_S = 1.0
 # Error results the job writes for its own failures; all others are about the request.
-SERVER_SIDE_ERRORS = ("inference failed", "result not encodable", "unreadable result")
+SERVER_SIDE_ERRORS = ("inference failed", "postprocess failed", "result not encodable", "unreadable result")
 
 
 class TokenBucket:
@@ -66,6 +65,7 @@ class Bridge:
         self.uri_prefix = f"http-{uuid.uuid4().hex[:12]}-"
         self._sequence = itertools.count()
         self._ready: tuple[float, str | None] = (0.0, "not checked yet")
+        self._ready_lock = asyncio.Lock()
         self.producer: KafkaProducer | None = None
         self.waiter: ResultWaiter | None = None
 
@@ -102,10 +102,11 @@ class Bridge:
     async def not_ready_reason(self) -> str | None:
         """None when requests can be served: broker connected, result reader alive, job running.
         Cached for a second, so probes and requests do not each ask Flink."""
-        checked, reason = self._ready
-        if time.monotonic() - checked > READINESS_TTL_S:
-            reason = await asyncio.to_thread(self._check_ready)
-            self._ready = (time.monotonic(), reason)
+        async with self._ready_lock:  # one check at a time; the requests queued behind it reuse it
+            checked, reason = self._ready
+            if time.monotonic() - checked > READINESS_TTL_S:
+                reason = await asyncio.to_thread(self._check_ready)
+                self._ready = (time.monotonic(), reason)
         return reason
 
     def _check_ready(self) -> str | None:
@@ -128,8 +129,9 @@ class Bridge:
         if self.limiter is not None and not self.limiter.take():
             raise RequestError("rate limit exceeded, retry later", 429)
 
-    async def infer(self, instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Enqueues each instance under a fresh uri and returns their results in order."""
+    async def infer(self, instances: list[dict[str, Any]]) -> list[Message]:
+        """Enqueues each instance under a fresh uri and returns their results in order; the first
+        error result fails the whole request."""
         reason = await self.not_ready_reason()
         if reason:
             raise RequestError(f"not ready: {reason}", 503)
@@ -173,13 +175,13 @@ class Bridge:
             raise RequestError(f"could not enqueue the request: {exc}", 503) from None
         sent.add_errback(lambda exc: loop.call_soon_threadsafe(waiter.fail, uri, exc))
 
-    def _result(self, index: int, message: Message) -> dict[str, Any]:
+    def _result(self, index: int, message: Message) -> Message:
         if message.inference_us is not None:
             self.metrics.record_inference_us(message.inference_us)
         if message.error is not None:
             status = 500 if message.error.startswith(SERVER_SIDE_ERRORS) else 400
             raise RequestError(f"instance {index}: {message.error}", status)
-        return result_of(message)
+        return message
 
 
 def bearer_token(env_name: str) -> str | None:

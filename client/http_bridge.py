@@ -297,7 +297,7 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
                 raise RequestError(f"batch of {len(instances)}, over the limit of {bridge.config.http.max_instances}", 413)
             results = await bridge.infer(instances)
         wanted = [output.name for output in body.outputs] if body.outputs else None
-        outputs = v2_outputs(results, bridge.signature, wanted)
+        outputs = v2_outputs(results, bridge.signature.batched, wanted)
         return InferResponse(model_name=name, id=body.id, outputs=[InferTensor(**output) for output in outputs])
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from client.model_info import NUMPY_DTYPES, V2_DATATYPES, ModelSignature
-from connectors.codec import SparseTensor
+from client.queues import result_of
+from connectors.codec import Message, SparseTensor
 
 
 class RequestError(ValueError):
@@ -130,24 +131,25 @@ def json_values(array: np.ndarray) -> Any:
     return array.tolist()
 
 
-def prediction(result: dict[str, Any]) -> Any:
-    """One result as a v1 prediction: the output's values when there is one output, else an
-    object of output name -> values; top-N results ({class: probability}) stay as they are."""
-    values = {name: json_values(value) if isinstance(value, np.ndarray) else value for name, value in result.items()}
-    if len(result) == 1 and all(isinstance(value, np.ndarray) for value in result.values()):
-        return next(iter(values.values()))
-    return values
+def prediction(result: Message) -> Any:
+    """One result as a v1 prediction: the output's values when there is one output, else an object
+    of output name -> values; a top-N result is its {class: probability} object."""
+    if result.top_n is not None:
+        return result_of(result)
+    values = {name: json_values(np.asarray(value)) for name, value in result.tensors.items()}
+    return next(iter(values.values())) if len(values) == 1 else values
 
 
-def v2_outputs(results: list[dict[str, Any]], signature: ModelSignature, wanted: list[str] | None) -> list[dict]:
-    """Per-instance results stacked back into v2 output tensors (batch dimension first)."""
-    names = wanted or [info.name for info in signature.outputs]
+def v2_outputs(results: list[Message], batched: bool, wanted: list[str] | None) -> list[dict]:
+    """Per-instance results stacked back into v2 output tensors (batch dimension first when the
+    model has one). A top-N result has two: `classes` and `probabilities`."""
+    names = wanted or list(results[0].tensors)
     outputs = []
     for name in names:
-        if any(name not in result for result in results):
-            raise RequestError(f"the results have no output {name!r}")
-        parts = [np.asarray(result[name]) for result in results]
-        array = np.stack(parts) if signature.batched else parts[0]
+        if any(name not in result.tensors for result in results):
+            raise RequestError(f"no output {name!r}; the results have {', '.join(results[0].tensors)}")
+        parts = [np.asarray(result.tensors[name]) for result in results]
+        array = np.stack(parts) if batched else parts[0]
         outputs.append({
             "name": name,
             "shape": list(array.shape),

@@ -1,21 +1,27 @@
 """What users import: InputQueue puts requests on the input topic, OutputQueue reads results.
 
     from client import InputQueue, OutputQueue
-    InputQueue(bootstrap_servers="127.0.0.1:9092").enqueue("img-1", features=array)
+    InputQueue(bootstrap_servers="127.0.0.1:9092").enqueue("img-1", image={"path": "cat.jpg"})
     OutputQueue(bootstrap_servers="127.0.0.1:9092").query("img-1", timeout=5)
+    InputQueue(sync=True, frontend_url="http://127.0.0.1:10020").predict('{"instances": [...]}')
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from connectors.codec import DecodeError, Message, decode_message, encode_message
+from client.instances import encode_request
+from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 
@@ -24,32 +30,96 @@ DEFAULT_INPUT_TOPIC = "serving_stream"
 DEFAULT_RESULT_TOPIC = "serving_result"
 DEFAULT_CLIENT_GROUP = "cluster-serving-client"
 MAX_RESULT_BYTES = 256 * 1024 * 1024
-Result = dict[str, Any]
+# The producer's own record limit (kafka-python's default is 1 MiB): the job's default
+# limits.max_instance_bytes plus room for the message's framing.
+MAX_REQUEST_BYTES = 16 * 1024 * 1024 + 65536
+PROGRESS_EVERY_S = 1.0
+Result = dict[Any, Any]
+
+
+class PredictError(RuntimeError):
+    """The HTTP bridge refused a `predict` request; `status` is its HTTP status."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(f"{status}: {message}")
+        self.status = status
 
 
 class InputQueue:
-    """Sends requests: `enqueue(uri, **tensors)`, one Kafka record per request, key = uri."""
+    """Sends requests: `enqueue(uri, **inputs)`, one Kafka record per request, key = uri; or, with
+    `sync=True`, `predict(request_json)` through the HTTP bridge at `frontend_url`."""
 
-    def __init__(self, bootstrap_servers: str = DEFAULT_BOOTSTRAP, topic: str = DEFAULT_INPUT_TOPIC, **kafka: Any):
+    def __init__(
+        self,
+        bootstrap_servers: str = DEFAULT_BOOTSTRAP,
+        topic: str = DEFAULT_INPUT_TOPIC,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        sync: bool = False,
+        frontend_url: str | None = None,
+        **kafka: Any,
+    ):
+        if host is not None:  # BigDL's way of naming the broker
+            bootstrap_servers = f"{host}:{port or 9092}"
         self.topic = topic
-        self._producer = KafkaProducer(
-            bootstrap_servers=bootstrap_servers, linger_ms=5, acks="all", **kafka
+        self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
+        if sync and not self.frontend_url:
+            raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
+        self._producer = None if sync else KafkaProducer(
+            bootstrap_servers=bootstrap_servers, linger_ms=5, acks="all",
+            **{"max_request_size": MAX_REQUEST_BYTES, **kafka},
         )
 
-    def enqueue(self, uri: str, **tensors: Any) -> None:
-        """Queues one request; returns once it is handed to the producer (call flush() to wait)."""
-        if not isinstance(uri, str) or not uri:
-            raise ValueError("uri must be a non-empty string")
-        if not tensors:
-            raise ValueError("enqueue needs at least one named tensor, e.g. enqueue(uri, x=array)")
-        payload = encode_message(Message(uri, {name: np.asarray(value) for name, value in tensors.items()}))
-        self._producer.send(self.topic, key=uri.encode(), value=payload)
+    def enqueue(self, uri: str, **data: Any) -> None:
+        """Queues one request; returns once it is handed to the producer (call flush() to wait).
+        Each keyword is one input: a list of str, an image {'path'|'b64': ...}, an ndarray, or a
+        sparse tensor [indices, values, shape]."""
+        self._send(uri, data)
+
+    def enqueue_batch(self, requests: Iterable[tuple[str, Mapping[str, Any]]], progress: bool = False) -> int:
+        """Queues many (uri, inputs) requests with one flush at the end; returns how many. With
+        `progress`, prints how many are queued every second and at the end (to stderr)."""
+        count, started, shown = 0, time.monotonic(), time.monotonic()
+        for uri, data in requests:
+            self._send(uri, data)
+            count += 1
+            if progress and time.monotonic() - shown >= PROGRESS_EVERY_S:
+                shown = time.monotonic()
+                print(f"enqueued {count} requests ({count / (shown - started):.0f}/s)", file=sys.stderr)
+        self.flush()
+        if progress:
+            elapsed = max(time.monotonic() - started, 1e-9)
+            print(f"enqueued {count} requests in {elapsed:.1f} s ({count / elapsed:.0f}/s), flushed", file=sys.stderr)
+        return count
+
+    def _send(self, uri: str, data: Mapping[str, Any]) -> None:
+        if self._producer is None:
+            raise RuntimeError("this InputQueue was made with sync=True: use predict(), not enqueue()")
+        self._producer.send(self.topic, key=uri.encode(), value=encode_request(uri, data))
+
+    def predict(self, request: str | Mapping[str, Any], timeout: float = 60.0) -> list[Any]:
+        """Sends `{"instances": [...]}` (JSON text or a dict) to the bridge's /predict and returns
+        its predictions, one per instance; a refused request raises PredictError."""
+        if not self.frontend_url:
+            raise RuntimeError("predict() needs InputQueue(sync=True, frontend_url=...)")
+        body = request.encode() if isinstance(request, str) else json.dumps(request).encode()
+        call = urllib.request.Request(
+            f"{self.frontend_url}/predict", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(call, timeout=timeout) as response:
+                return json.load(response)["predictions"]
+        except urllib.error.HTTPError as error:
+            raise PredictError(_error_text(error.read()), error.code) from None
 
     def flush(self, timeout: float | None = None) -> None:
-        self._producer.flush(timeout=timeout)
+        if self._producer is not None:
+            self._producer.flush(timeout=timeout)
 
     def close(self) -> None:
-        self._producer.close()
+        if self._producer is not None:
+            self._producer.close()
 
     def __enter__(self) -> InputQueue:
         return self
@@ -89,10 +159,23 @@ class ResultStore:
         return len(self._results)
 
 
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")
+
+
 def result_of(message: Message) -> Result:
-    """A result as users see it: output name -> ndarray, or {'error': message}."""
+    """A result as users see it: output name -> ndarray; with top_n, {class index: probability}
+    best first; or {'error': message}."""
     if message.error is not None:
         return {"error": message.error}
+    if message.top_n is not None:
+        classes, probabilities = message.tensors.get(TOP_N_CLASSES), message.tensors.get(TOP_N_PROBABILITIES)
+        if classes is None or probabilities is None:
+            return {"error": "unreadable result: a top-N result without classes and probabilities"}
+        return {int(cls): float(prob) for cls, prob in zip(classes, probabilities)}
     return dict(message.tensors)
 
 

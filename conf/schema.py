@@ -19,8 +19,15 @@ BUILD_JARS = PROJECT_ROOT / "build" / "jars"
 CONNECTOR_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar")
 HELPER_JAR = "cluster-serving-flink.jar"
 DEVICES = ("auto", "cpu", "cuda")
+IMAGE_CHANNELS = ("RGB", "BGR", "L")
+IMAGE_LAYOUTS = ("HWC", "CHW")
+IMAGE_DTYPES = ("uint8", "float16", "float32", "float64")
 # The Flink job's name: the HTTP bridge and the CLI find the running job by it.
 JOB_NAME = "cluster-serving"
+
+
+# Mappings whose keys are the user's (property names, input names), not known in advance.
+FREE_MAPPINGS = ("properties", "images")
 
 
 class ConfigError(ValueError):
@@ -67,6 +74,30 @@ class FlinkConfig:
 @dataclass(frozen=True)
 class LimitsConfig:
     max_instance_bytes: int
+    max_image_pixels: int
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How one image input is decoded, resized, laid out and normalised."""
+
+    channels: str = "RGB"
+    resize: tuple[int, int] | None = None  # (height, width)
+    layout: str = "HWC"
+    dtype: str = "uint8"
+    scale: float = 1.0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    images: dict[str, ImageConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PostprocessConfig:
+    top_n: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +122,8 @@ class ServingConfig:
     device: str
     limits: LimitsConfig
     http: HttpConfig
+    preprocess: PreprocessConfig = PreprocessConfig()
+    postprocess: PostprocessConfig = PostprocessConfig()
     source: Path | None = None
 
     def check_files(self) -> None:
@@ -146,7 +179,7 @@ def _merge(into: dict[str, Any], update: dict[str, Any], prefix: str) -> None:
         name = f"{prefix}{key}"
         if key not in into:
             raise ConfigError(f"{name}: unknown key (known: {', '.join(sorted(into))})")
-        if isinstance(into[key], dict) and key != "properties":
+        if isinstance(into[key], dict) and key not in FREE_MAPPINGS:
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: must be a mapping")
             _merge(into[key], value, prefix=f"{name}.")
@@ -191,11 +224,65 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
         limits=LimitsConfig(
             max_instance_bytes=_int(
                 raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024
-            )
+            ),
+            max_image_pixels=_int(raw["limits"]["max_image_pixels"], "limits.max_image_pixels", low=1),
         ),
         http=_http(raw["http"], flink["rest_port"]),
+        preprocess=PreprocessConfig(images=_images(raw["preprocess"]["images"])),
+        postprocess=PostprocessConfig(
+            top_n=_int(raw["postprocess"]["top_n"], "postprocess.top_n", low=0, high=65536)
+        ),
         source=source,
     )
+
+
+def _images(value: Any) -> dict[str, ImageConfig]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"preprocess.images: must be a mapping of input name -> settings, got {value!r}")
+    return {_text(name, "preprocess.images"): _image(f"preprocess.images.{name}", item or {}) for name, item in value.items()}
+
+
+def _image(name: str, value: Any) -> ImageConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: must be a mapping, got {value!r}")
+    known = ImageConfig.__dataclass_fields__
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(known)})")
+    channels = _choice(value.get("channels", "RGB"), f"{name}.channels", IMAGE_CHANNELS)
+    dtype = _choice(value.get("dtype", "uint8"), f"{name}.dtype", IMAGE_DTYPES)
+    resize = value.get("resize")
+    if resize is not None:
+        if not isinstance(resize, list) or len(resize) != 2:
+            raise ConfigError(f"{name}.resize: must be [height, width], got {resize!r}")
+        resize = tuple(_int(dim, f"{name}.resize", low=1, high=65536) for dim in resize)
+    default_scale = 1.0 if dtype == "uint8" else 1 / 255
+    scale = _number(value.get("scale", default_scale), f"{name}.scale", low=0)
+    if dtype == "uint8" and (scale != 1.0 or "mean" in value or "std" in value):
+        raise ConfigError(f"{name}: scale, mean and std need a float dtype")
+    depth = 1 if channels == "L" else 3
+    mean = _per_channel(value.get("mean"), f"{name}.mean", depth)
+    std = _per_channel(value.get("std"), f"{name}.std", depth)
+    if any(item == 0 for item in std):
+        raise ConfigError(f"{name}.std: must not contain 0")
+    layout = _choice(value.get("layout", "HWC"), f"{name}.layout", IMAGE_LAYOUTS)
+    return ImageConfig(channels, resize, layout, dtype, scale, mean, std)
+
+
+def _choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _per_channel(value: Any, name: str, depth: int) -> tuple[float, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) != depth:
+        raise ConfigError(f"{name}: must be a list of {depth} numbers (one per channel), got {value!r}")
+    return tuple(_number(item, name, low=float("-inf")) for item in value)
 
 
 def _http(http: dict[str, Any], flink_rest_port: int) -> HttpConfig:

@@ -2,11 +2,16 @@
 
 Format version 1 (the README has the full description):
 - schema metadata `cs.version` = "1", `cs.uri` = the request's uri, and for results optionally
-  `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in) and
-  `cs.inference_us` (that batch's inference time in microseconds);
-- one column per named tensor, of type large_list<T> with exactly one row holding the tensor's
-  values flattened in C order; field metadata `cs.dtype` (numpy dtype name) and `cs.shape`
-  (JSON list of ints).
+  `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in),
+  `cs.inference_us` (that batch's inference time in microseconds) and `cs.top_n` (the result is
+  the N best classes: tensors `classes` and `probabilities`);
+- one column per named value, exactly one row, field metadata `cs.dtype` and `cs.shape`:
+  - dense tensor: large_list<T>, the values flattened in C order; `cs.dtype` a numpy dtype name
+    (or "str"), `cs.shape` a JSON list of ints;
+  - sparse tensor (`cs.layout` = "coo"): struct<indices: large_list<int64>, values: large_list<T>>,
+    one row of `rank` indices per value; `cs.shape` is the dense shape;
+  - encoded image (`cs.dtype` = "image"): large_list<large_binary> holding the JPEG/PNG bytes,
+    decoded by the job; `cs.shape` = "[]".
 
 Arrow is a maintained, language-neutral format with a fuzzed reader; numeric tensors are written
 and read without copying. Nothing here builds arbitrary objects: dtypes come from an allow-list
@@ -31,12 +36,58 @@ NUMERIC_DTYPES = frozenset(
      "float16", "float32", "float64"}
 )
 STRING_DTYPE = "str"
+IMAGE_DTYPE = "image"
+SPARSE_LAYOUT = "coo"
+# The two tensors of a top-N result (metadata cs.top_n).
+TOP_N_CLASSES = "classes"
+TOP_N_PROBABILITIES = "probabilities"
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
-ALLOWED_DTYPES = NUMERIC_DTYPES | {STRING_DTYPE}
+ALLOWED_DTYPES = NUMERIC_DTYPES | {STRING_DTYPE}  # of dense tensors
 
 
 class DecodeError(ValueError):
     """The bytes are not a valid message of a known format version."""
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """A COO sparse tensor: `indices` holds one row of len(shape) indices per value."""
+
+    indices: np.ndarray  # (nnz, rank) int64
+    values: np.ndarray  # (nnz,)
+    shape: tuple[int, ...]
+
+    def check(self, max_dense_bytes: int) -> None:
+        """Raises ValueError unless the parts agree, every index is in bounds and the dense
+        tensor stays within `max_dense_bytes` (it is densified before inference)."""
+        nnz, rank = len(self.values), len(self.shape)
+        if self.values.ndim != 1 or self.indices.shape != (nnz, rank):
+            raise ValueError(
+                f"{nnz} values need indices of shape ({nnz}, {rank}), got {self.indices.shape}"
+            )
+        if self.indices.dtype.kind not in "iu":
+            raise ValueError(f"indices must be integers, got {self.indices.dtype}")
+        if nnz and (self.indices.min() < 0 or np.any(self.indices.max(axis=0) >= np.array(self.shape))):
+            raise ValueError(f"an index is outside the shape {list(self.shape)}")
+        dense_bytes = math.prod(self.shape) * self.values.dtype.itemsize
+        if dense_bytes > max_dense_bytes:
+            raise ValueError(f"{dense_bytes} bytes once dense, over the limit of {max_dense_bytes}")
+
+    def to_dense(self) -> np.ndarray:
+        dense = np.zeros(self.shape, dtype=self.values.dtype)
+        if len(self.values):
+            dense[tuple(self.indices.T)] = self.values
+        return dense
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """A JPEG/PNG file's bytes, decoded by the job as its config says for that input."""
+
+    data: bytes
+
+
+Value = np.ndarray | SparseTensor | EncodedImage
 
 
 @dataclass
@@ -44,10 +95,11 @@ class Message:
     """A decoded request or result."""
 
     uri: str
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: dict[str, Value] = field(default_factory=dict)
     error: str | None = None
     batch_size: int | None = None
     inference_us: int | None = None
+    top_n: int | None = None
 
 
 def dtype_name(array: np.ndarray) -> str:
@@ -58,31 +110,67 @@ def dtype_name(array: np.ndarray) -> str:
 
 
 def encode_message(message: Message) -> bytes:
-    """Serialises a message; refuses dtypes outside the allow-list."""
+    """Serialises a message; refuses dtypes outside the allow-list and inconsistent sparse tensors."""
     if len(message.uri) > MAX_URI_CHARS:
         raise ValueError(f"uri longer than {MAX_URI_CHARS} characters")
     fields, columns = [], []
     for name, value in message.tensors.items():
-        array = np.asarray(value)
-        kind = dtype_name(array)
-        if kind not in ALLOWED_DTYPES:
-            raise ValueError(f"tensor {name!r}: dtype {array.dtype} is not supported")
-        column = _tensor_column(array, kind)
-        shape = "[" + ",".join(str(dim) for dim in array.shape) + "]"  # a JSON list, written fast
-        fields.append(pa.field(name, column.type, metadata={"cs.dtype": kind, "cs.shape": shape}))
+        try:
+            column, metadata = _value_column(value)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
+        fields.append(pa.field(name, column.type, metadata=metadata))
         columns.append(column)
     metadata = {"cs.version": FORMAT_VERSION, "cs.uri": message.uri}
-    if message.error is not None:
-        metadata["cs.error"] = message.error
-    if message.batch_size is not None:
-        metadata["cs.batch_size"] = str(message.batch_size)
-    if message.inference_us is not None:
-        metadata["cs.inference_us"] = str(message.inference_us)
+    for key, item in (
+        ("cs.error", message.error),
+        ("cs.batch_size", message.batch_size),
+        ("cs.inference_us", message.inference_us),
+        ("cs.top_n", message.top_n),
+    ):
+        if item is not None:
+            metadata[key] = str(item)
     schema = pa.schema(fields, metadata=metadata)
     batch = pa.record_batch(columns, schema=schema)
     # Schema message, batch message, end-of-stream marker: the bytes pa.ipc.new_stream writes,
     # at less than half its cost per message.
     return schema.serialize().to_pybytes() + batch.serialize().to_pybytes() + END_OF_STREAM
+
+
+def _value_column(value: Value) -> tuple[pa.Array, dict[str, str]]:
+    """A value's one-row column and its field metadata."""
+    if isinstance(value, EncodedImage):
+        if not value.data:
+            raise ValueError("empty image")
+        column = _one_row(pa.array([value.data], pa.large_binary()))
+        return column, {"cs.dtype": IMAGE_DTYPE, "cs.shape": "[]"}
+    if isinstance(value, SparseTensor):
+        kind = _numeric_kind(value.values)
+        value.check(max_dense_bytes=2**63)
+        parts = [_tensor_column(np.asarray(value.indices, np.int64), "int64"), _tensor_column(value.values, kind)]
+        column = pa.StructArray.from_arrays(parts, names=["indices", "values"])
+        return column, {"cs.dtype": kind, "cs.shape": _json_shape(value.shape), "cs.layout": SPARSE_LAYOUT}
+    array = np.asarray(value)
+    kind = dtype_name(array)
+    if kind not in ALLOWED_DTYPES:
+        raise ValueError(f"dtype {array.dtype} is not supported")
+    return _tensor_column(array, kind), {"cs.dtype": kind, "cs.shape": _json_shape(array.shape)}
+
+
+def _numeric_kind(array: np.ndarray) -> str:
+    kind = dtype_name(array)
+    if kind not in NUMERIC_DTYPES:
+        raise ValueError(f"sparse values must be numbers, got dtype {array.dtype}")
+    return kind
+
+
+def _json_shape(shape: tuple[int, ...]) -> str:
+    return "[" + ",".join(str(int(dim)) for dim in shape) + "]"  # a JSON list, written fast
+
+
+def _one_row(values: pa.Array) -> pa.Array:
+    offsets = pa.py_buffer(np.array([0, len(values)], dtype=np.int64))
+    return pa.Array.from_buffers(pa.large_list(values.type), 1, [None, offsets], children=[values])
 
 
 def _tensor_column(array: np.ndarray, kind: str) -> pa.Array:
@@ -95,8 +183,7 @@ def _tensor_column(array: np.ndarray, kind: str) -> pa.Array:
         # Numeric values are wrapped, not converted: ~1 us instead of ~23 us for pa.array().
         flat = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")).reshape(-1)
         values = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), flat.size, [None, pa.py_buffer(flat)])
-    offsets = pa.py_buffer(np.array([0, len(values)], dtype=np.int64))
-    return pa.Array.from_buffers(pa.large_list(values.type), 1, [None, offsets], children=[values])
+    return _one_row(values)
 
 
 def decode_message(payload: bytes, max_bytes: int) -> Message:
@@ -125,7 +212,7 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     except pa.ArrowException as exc:
         raise DecodeError(f"corrupt message: {exc}") from None
     tensors = {
-        schema.field(i).name: _decode_tensor(schema.field(i), batches[0].column(i))
+        schema.field(i).name: _decode_value(schema.field(i), batches[0].column(i), max_bytes)
         for i in range(batches[0].num_columns)
     }
     return Message(
@@ -134,6 +221,7 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
         error=metadata.get("cs.error"),
         batch_size=_count(metadata.get("cs.batch_size")),
         inference_us=_count(metadata.get("cs.inference_us")),
+        top_n=_count(metadata.get("cs.top_n")),
     )
 
 
@@ -142,16 +230,57 @@ def _count(text: str | None) -> int | None:
     return int(text) if text and text.isdigit() and len(text) < 19 else None
 
 
-def _decode_tensor(spec: pa.Field, column: pa.Array) -> np.ndarray:
+def _decode_value(spec: pa.Field, column: pa.Array, max_bytes: int) -> Value:
     name = spec.name
-    metadata = {k.decode(): v.decode() for k, v in (spec.metadata or {}).items()}
+    metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (spec.metadata or {}).items()}
     kind = metadata.get("cs.dtype")
+    if kind == IMAGE_DTYPE:
+        return _decode_image(name, column)
     if kind not in ALLOWED_DTYPES:
         raise DecodeError(f"tensor {name!r}: dtype {kind!r} is not allowed")
     shape = _shape(name, metadata.get("cs.shape"))
+    layout = metadata.get("cs.layout")
+    if layout == SPARSE_LAYOUT:
+        return _decode_sparse(name, kind, shape, column, max_bytes)
+    if layout is not None:
+        raise DecodeError(f"tensor {name!r}: unknown layout {layout!r}")
+    return _decode_tensor(name, kind, shape, column)
+
+
+def _decode_image(name: str, column: pa.Array) -> EncodedImage:
+    if column.type != pa.large_list(pa.large_binary()):
+        raise DecodeError(f"image {name!r}: must be a large_list<large_binary> column")
+    values = column.flatten()
+    if len(values) != 1 or values.null_count or not values[0].as_py():
+        raise DecodeError(f"image {name!r}: must hold exactly one non-empty encoded image")
+    return EncodedImage(values[0].as_py())
+
+
+def _decode_sparse(name: str, kind: str, shape: tuple[int, ...], column: pa.Array, max_bytes: int) -> SparseTensor:
+    if kind not in NUMERIC_DTYPES:
+        raise DecodeError(f"sparse tensor {name!r}: dtype {kind!r} is not a number type")
+    if not pa.types.is_struct(column.type) or [f.name for f in column.type] != ["indices", "values"]:
+        raise DecodeError(f"sparse tensor {name!r}: must be a struct of indices and values")
+    indices_column, values_column = column.flatten()
+    indices = _decode_tensor(f"{name}.indices", "int64", None, indices_column)
+    values = _decode_tensor(f"{name}.values", kind, None, values_column)
+    if len(values) * len(shape) != len(indices):
+        raise DecodeError(f"sparse tensor {name!r}: {len(indices)} indices for {len(values)} values of rank {len(shape)}")
+    sparse = SparseTensor(indices.reshape(len(values), len(shape)), values, shape)
+    try:
+        sparse.check(max_dense_bytes=max_bytes)
+    except ValueError as exc:
+        raise DecodeError(f"sparse tensor {name!r}: {exc}") from None
+    return sparse
+
+
+def _decode_tensor(name: str, kind: str, shape: tuple[int, ...] | None, column: pa.Array) -> np.ndarray:
+    """A dense tensor; `shape` None: a flat one of whatever length the column holds."""
     if not pa.types.is_large_list(column.type):
         raise DecodeError(f"tensor {name!r}: values must be a large_list column")
     values = column.flatten()  # the row's values, honouring the list offsets
+    if shape is None:
+        shape = (len(values),)
     expected = pa.large_string() if kind == STRING_DTYPE else pa.from_numpy_dtype(np.dtype(kind))
     if values.type != expected:
         raise DecodeError(f"tensor {name!r}: values of type {values.type} do not match dtype {kind}")

@@ -1,4 +1,6 @@
-"""Decoding: raw records of a micro-batch -> requests, or error results for what cannot be read."""
+"""Decoding: raw records of a micro-batch -> requests with plain arrays, or error results for what
+cannot be read or prepared (bad bytes, a record key that is not the payload's uri, an image that
+does not decode)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from dataclasses import dataclass
 from pyflink.common import Row
 from pyflink.datastream import MapFunction, RuntimeContext
 
+from conf import LimitsConfig, PreprocessConfig
 from connectors.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
+from job.model import InvalidInput
+from job.preprocess import prepare_values
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +26,18 @@ class DecodedBatch:
     rejected: list[Message]
 
 
-def decode_records(records: list[Row], max_bytes: int) -> tuple[DecodedBatch, int]:
+def decode_records(
+    records: list[Row], limits: LimitsConfig, preprocess: PreprocessConfig
+) -> tuple[DecodedBatch, int]:
     """Returns the decoded batch and how many records were dropped for lack of a uri to answer."""
     instances: list[Message] = []
     rejected: list[Message] = []
     dropped = 0
     for key, payload in records:
         try:
-            message = decode_message(payload or b"", max_bytes)
+            message = decode_message(payload or b"", limits.max_instance_bytes)
+            if key is not None and key != message.uri:
+                raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
         except DecodeError as exc:
             if key and len(key) <= MAX_URI_CHARS:
                 log.warning("uri=%s rejected: %s", key, exc)
@@ -37,6 +46,12 @@ def decode_records(records: list[Row], max_bytes: int) -> tuple[DecodedBatch, in
                 log.warning("record without a usable key dropped: %s", exc)
                 dropped += 1
             continue
+        try:
+            message.tensors = prepare_values(message.tensors, preprocess.images, limits)
+        except InvalidInput as exc:
+            log.warning("uri=%s invalid input: %s", message.uri, exc)
+            rejected.append(Message(uri=message.uri, error=f"invalid input: {exc}"))
+            continue
         instances.append(message)
     return DecodedBatch(instances, rejected), dropped
 
@@ -44,8 +59,9 @@ def decode_records(records: list[Row], max_bytes: int) -> tuple[DecodedBatch, in
 class DecodeBatch(MapFunction):
     """The Flink stage around `decode_records`, counting decode errors for the Flink UI."""
 
-    def __init__(self, max_instance_bytes: int):
-        self.max_instance_bytes = max_instance_bytes
+    def __init__(self, limits: LimitsConfig, preprocess: PreprocessConfig):
+        self.limits = limits
+        self.preprocess = preprocess
 
     def open(self, runtime_context: RuntimeContext) -> None:
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
@@ -53,7 +69,7 @@ class DecodeBatch(MapFunction):
         self.decode_errors = group.counter("decodeErrors")
 
     def map(self, value: list[Row]) -> DecodedBatch:
-        batch, dropped = decode_records(value, self.max_instance_bytes)
+        batch, dropped = decode_records(value, self.limits, self.preprocess)
         self.records_in.inc(len(value))
         self.decode_errors.inc(len(batch.rejected) + dropped)
         return batch

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 from pyflink.datastream import MapFunction, RuntimeContext
 
-from conf import ModelConfig
+from conf import ModelConfig, PostprocessConfig
 from connectors.codec import Message
 from job.decode import DecodedBatch
 from job.model import InvalidInput, OnnxModel
+from job.postprocess import top_n
 
 log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]
@@ -60,11 +61,13 @@ def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Message]
 
 
 class InferBatch(MapFunction):
-    """The Flink stage: opens one ONNX Runtime session per subtask and reports batch metrics."""
+    """The Flink stage: opens one ONNX Runtime session per subtask, reports batch metrics and
+    applies the configured postprocessing."""
 
-    def __init__(self, model: ModelConfig, device: str):
+    def __init__(self, model: ModelConfig, device: str, postprocess: PostprocessConfig):
         self.model_config = model
         self.device = device
+        self.top_n = postprocess.top_n
 
     def open(self, runtime_context: RuntimeContext) -> None:
         config = self.model_config
@@ -85,5 +88,7 @@ class InferBatch(MapFunction):
             for outcome in outcomes:  # what the HTTP bridge reports as the job's inference time
                 if outcome.error is None:
                     outcome.inference_us = elapsed_us
+        if self.top_n:
+            outcomes = [top_n(outcome, self.top_n) for outcome in outcomes]
         self.inference_errors.inc(sum(1 for outcome in outcomes if outcome.error))
         return value.rejected + outcomes

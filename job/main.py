@@ -88,8 +88,8 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
     results = (
         requests.key_by(BatchKey(config.flink.parallelism), key_type=Types.INT())
         .process(MicroBatcher(config.batching)).name("micro-batch").uid("micro-batch")
-        .map(DecodeBatch(config.limits.max_instance_bytes)).name("decode").uid("decode")
-        .map(InferBatch(config.model, config.device)).name("infer").uid("infer")
+        .map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
+        .map(InferBatch(config.model, config.device, config.postprocess)).name("infer").uid("infer")
         .flat_map(EncodeResults(), output_type=KEYED_BYTES).name("encode").uid("encode")
     )
     results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
@@ -99,6 +99,10 @@ def preflight(config: ServingConfig) -> None:
     """Fails fast, with one line, on what would otherwise surface as a Java stack trace later."""
     config.check_files()
     model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs)
+    inputs = [spec.name for spec in model.inputs]
+    for name in config.preprocess.images:
+        if name not in inputs:
+            raise ConfigError(f"preprocess.images.{name}: the model has no input {name!r}; it has {inputs}")
     log.info(
         "model %s: inputs %s, outputs %s, inference on %s",
         config.model.path.name, [spec.name for spec in model.inputs], model.output_names, model.provider,
