@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper, save
+from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from client.processes import EmbeddedJob, HttpBridge, write_run_config
 from conf import load_config
-from conf.sample_model import IR_VERSION, OPSET
 from tests.conftest import http_call
+from tests.onnx_models import graph_model
 
 STRINGS = ["come", "on", "united"]
 COMPOSITE = {
@@ -43,20 +43,6 @@ def jpeg_b64(seed: int) -> str:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="JPEG")
     return base64.b64encode(buffer.getvalue()).decode()
-
-
-def graph_model(path: Path, inputs: list[tuple[str, int, list]], nodes: list, outputs: list[tuple[str, int, list]],
-                initializers: tuple = ()) -> Path:
-    graph = helper.make_graph(
-        nodes, path.stem,
-        [helper.make_tensor_value_info(name, kind, ["batch", *shape]) for name, kind, shape in inputs],
-        [helper.make_tensor_value_info(name, kind, ["batch", *shape]) for name, kind, shape in outputs],
-        initializer=list(initializers),
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = IR_VERSION
-    save(model, str(path))
-    return path
 
 
 def identity_model(path: Path) -> Path:
@@ -160,7 +146,7 @@ def test_programming_guide_example(name: str, tmp_path: Path, broker) -> None:
     assert len(predictions) == len(example.body["instances"])
     for feed, prediction in zip(example.feeds(), predictions):
         batch = {key: np.expand_dims(value, 0) for key, value in feed.items()}
-        expected = [output[0] for output in session.run(None, batch)]
+        expected = [output[:1].reshape(output.shape[1:]) for output in session.run(None, batch)]  # 0-d stays an array
         got = [prediction] if len(names) == 1 else [prediction[output] for output in names]
         for want, have in zip(expected, got):
             if want.dtype == object:

@@ -1,0 +1,130 @@
+"""Pure functions around the job's stages: image decoding and layout, densifying, top-N, and the
+client's reading of the four input forms."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from client.instances import wire_value
+from conf import ImageConfig, LimitsConfig, load_config
+from connectors.codec import EncodedImage, Message, SparseTensor
+from job.model import InvalidInput
+from job.postprocess import top_n
+from job.preprocess import decode_image, prepare_values
+
+PIXELS = np.random.default_rng(0).integers(0, 256, size=(6, 8, 3), dtype=np.uint8)  # height 6, width 8
+
+
+def png(pixels: np.ndarray = PIXELS) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_default_image_is_rgb_hwc_uint8_exact() -> None:
+    np.testing.assert_array_equal(decode_image("i", png(), ImageConfig(), 10_000), PIXELS)
+
+
+def test_image_chw_float_scaled_and_normalised() -> None:
+    config = ImageConfig(layout="CHW", dtype="float32", scale=1 / 255, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    out = decode_image("i", png(), config, 10_000)
+    expected = ((PIXELS.astype(np.float32) / 255 - [0.5, 0.4, 0.3]) / [0.2, 0.25, 0.5]).transpose(2, 0, 1)
+    assert out.shape == (3, 6, 8) and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_image_resize_bgr_and_grayscale() -> None:
+    resized = decode_image("i", png(), ImageConfig(resize=(3, 4), channels="BGR"), 10_000)
+    expected = np.asarray(Image.fromarray(PIXELS).resize((4, 3), Image.Resampling.BILINEAR))[:, :, ::-1]
+    np.testing.assert_array_equal(resized, expected)
+    gray = decode_image("i", png(), ImageConfig(channels="L", layout="CHW"), 10_000)
+    assert gray.shape == (1, 6, 8)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"not an image", "does not decode"),
+        (png()[:60], "does not decode"),
+        (b"GIF89a" + png()[6:], "does not decode"),
+    ],
+)
+def test_bad_images_are_invalid_input(data: bytes, reason: str) -> None:
+    with pytest.raises(InvalidInput, match=reason):
+        decode_image("i", data, ImageConfig(), 10_000)
+
+
+def test_image_over_the_pixel_limit_is_refused_before_decoding() -> None:
+    with pytest.raises(InvalidInput, match="8x6 pixels, over the limit of 47"):
+        decode_image("i", png(), ImageConfig(), 47)
+
+
+def test_gif_is_refused() -> None:
+    buffer = io.BytesIO()
+    Image.fromarray(PIXELS).save(buffer, format="GIF")
+    with pytest.raises(InvalidInput, match="not JPEG or PNG"):
+        decode_image("i", buffer.getvalue(), ImageConfig(), 10_000)
+
+
+def test_prepare_values_densifies_and_decodes() -> None:
+    sparse = SparseTensor(np.array([[0, 0], [1, 2], [4, 5]]), np.array([101, 102, 103]), (5, 10))
+    values = {"sp": sparse, "img": EncodedImage(png()), "x": np.arange(3)}
+    out = prepare_values(values, {}, LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=100))
+    assert out["sp"][1, 2] == 102 and out["sp"].sum() == 306 and out["sp"].shape == (5, 10)
+    assert out["img"].shape == (6, 8, 3) and out["x"].tolist() == [0, 1, 2]
+
+
+def test_top_n_orders_classes_by_score() -> None:
+    result = top_n(Message("u", {"p": np.array([0.1, 0.5, 0.05, 0.35], np.float32)}, batch_size=4), 3)
+    assert result.top_n == 3 and result.batch_size == 4
+    assert result.tensors["classes"].tolist() == [1, 3, 0]
+    np.testing.assert_allclose(result.tensors["probabilities"], [0.5, 0.35, 0.1])
+    assert top_n(Message("u", error="boom"), 3).error == "boom"
+    assert "needs a vector" in top_n(Message("u", {"p": np.ones((2, 2))}), 3).error
+
+
+def test_client_reads_the_four_input_forms(tmp_path: Path) -> None:
+    path = tmp_path / "x.png"
+    path.write_bytes(png())
+    assert wire_value("i", {"path": str(path)}) == EncodedImage(png())
+    assert wire_value("i", {"b64": base64.b64encode(png()).decode()}) == EncodedImage(png())
+    sparse = wire_value("s", [np.array([[0, 1, 4], [0, 2, 5]]), np.array([101, 102, 103]), np.array([5, 10])])
+    assert isinstance(sparse, SparseTensor) and sparse.to_dense()[4, 5] == 103
+    assert wire_value("t", ["hello", "world"]).tolist() == ["hello", "world"]
+    assert wire_value("t", np.eye(2, dtype=np.int32)).dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ({"b64": "***"}, "not valid base64"),
+        ({"path": "/no/such/file.png"}, "cannot read image"),
+        ({"url": "http://x"}, "an image is"),
+        ([np.array([[0, 9]]).T, np.array([1.0]), np.array([2, 5])], "outside the shape"),
+        ([1, "a"], "mixes strings"),
+        ([[1, 2], [3]], "rectangular"),
+    ],
+)
+def test_client_refuses_bad_values(value: object, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        wire_value("v", value)
+
+
+def test_image_config_is_validated() -> None:
+    config = load_config(overrides={"preprocess.images": {"img": {"layout": "CHW", "dtype": "float32"}}})
+    assert config.preprocess.images["img"].scale == pytest.approx(1 / 255)
+    for bad, reason in [
+        ({"layout": "NCHW"}, "layout: must be one of"),
+        ({"resize": [0, 3]}, "resize: must be between"),
+        ({"dtype": "float32", "mean": [0.5]}, "list of 3 numbers"),
+        ({"scale": 2}, "need a float dtype"),
+        ({"colour": "RGB"}, "unknown key"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            load_config(overrides={"preprocess.images": {"img": bad}})
