@@ -19,6 +19,7 @@ import onnxruntime as ort
 import pytest
 import yaml
 
+from client import InputQueue, PredictError
 from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from conf import load_config
 from conf.sample_model import FEATURES
@@ -90,6 +91,19 @@ def test_predict_v1_and_v2_match_onnxruntime(stack: Stack) -> None:
     (output,) = body["outputs"]
     assert output["name"] == "probabilities" and output["datatype"] == "FP32" and output["shape"] == [3, 10]
     np.testing.assert_allclose(np.array(output["data"]).reshape(3, 10), expected, atol=1e-5)
+
+
+def test_input_queue_predict_goes_through_the_bridge(stack: Stack) -> None:
+    """BigDL's synchronous client call: InputQueue(sync=True, frontend_url=...).predict(json text)."""
+    rows = features(2, seed=4)
+    sync = InputQueue(sync=True, frontend_url=stack.url)
+    predictions = sync.predict(json.dumps({"instances": [{"features": row.tolist()} for row in rows]}))
+    np.testing.assert_allclose(np.array(predictions), stack.expected(rows), atol=1e-5)
+    with pytest.raises(PredictError, match="400: instance 0: .*shape") as refused:
+        sync.predict({"instances": [{"features": [1.0, 2.0]}]})
+    assert refused.value.status == 400
+    with pytest.raises(RuntimeError, match="sync=True"):
+        sync.enqueue("u", features=rows[0])
 
 
 def test_model_and_health_routes(stack: Stack) -> None:
