@@ -131,6 +131,13 @@ class ChildProcess:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None
 
+    def kill(self) -> None:
+        """SIGKILL to the whole group at once: a crash, not a stop (nothing gets to clean up)."""
+        process, self.process = self.process, None
+        if process is not None:
+            _signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+
     def __enter__(self) -> ChildProcess:
         return self.start()
 

@@ -14,6 +14,7 @@ from conf.schema import (
     PostprocessConfig,
     PreprocessConfig,
     ServingConfig,
+    TestingConfig,
     load_config,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "PostprocessConfig",
     "PreprocessConfig",
     "ServingConfig",
+    "TestingConfig",
     "load_config",
 ]

@@ -63,6 +63,9 @@ class FlinkConfig:
     parallelism: int
     rest_port: int
     checkpoint_interval_ms: int
+    checkpoint_dir: Path
+    restart_attempts: int
+    restart_delay_ms: int
     jars: tuple[Path, ...]
 
     @property
@@ -101,6 +104,11 @@ class PostprocessConfig:
 
 
 @dataclass(frozen=True)
+class TestingConfig:
+    fail_inference_at_batch: int = 0
+
+
+@dataclass(frozen=True)
 class HttpConfig:
     host: str
     port: int
@@ -124,6 +132,7 @@ class ServingConfig:
     http: HttpConfig
     preprocess: PreprocessConfig = PreprocessConfig()
     postprocess: PostprocessConfig = PostprocessConfig()
+    testing: TestingConfig = TestingConfig()
     source: Path | None = None
 
     def check_files(self) -> None:
@@ -218,6 +227,11 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
             checkpoint_interval_ms=_int(
                 flink["checkpoint_interval_ms"], "flink.checkpoint_interval_ms", low=100
             ),
+            checkpoint_dir=_path(flink["checkpoint_dir"], "flink.checkpoint_dir", base_dir)
+            if flink["checkpoint_dir"]
+            else base_dir / "checkpoints" / _text(kafka["group_id"], "kafka.group_id"),
+            restart_attempts=_int(flink["restart_attempts"], "flink.restart_attempts", low=0),
+            restart_delay_ms=_int(flink["restart_delay_ms"], "flink.restart_delay_ms", low=0),
             jars=tuple(_path(jar, "flink.jars", base_dir) for jar in jars),
         ),
         device=device,
@@ -231,6 +245,11 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
         preprocess=PreprocessConfig(images=_images(raw["preprocess"]["images"])),
         postprocess=PostprocessConfig(
             top_n=_int(raw["postprocess"]["top_n"], "postprocess.top_n", low=0, high=65536)
+        ),
+        testing=TestingConfig(
+            fail_inference_at_batch=_int(
+                raw["testing"]["fail_inference_at_batch"], "testing.fail_inference_at_batch", low=0
+            )
         ),
         source=source,
     )

@@ -32,6 +32,7 @@ from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
 from job.model import ModelError, OnnxModel  # noqa: E402
+from job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")
 
@@ -50,11 +51,18 @@ def submitted_by_flink_cli() -> bool:
     return "PYFLINK_GATEWAY_PORT" in os.environ
 
 
-def flink_configuration(config: ServingConfig) -> Configuration:
+def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Configuration:
     """Job settings, plus the embedded MiniCluster's addresses when there is no cluster. Under
     `flink run` these are stacked over the cluster's config: rest.* would redirect the CLI's
     submission to flink.rest_port, so they are left to the cluster."""
+    flink = config.flink
     settings = {
+        # Kept after a stop or a crash, so that the next start resumes from them (job/recovery.py).
+        "execution.checkpointing.dir": flink.checkpoint_dir.as_uri(),
+        "execution.checkpointing.externalized-checkpoint-retention": "RETAIN_ON_CANCELLATION",
+        "restart-strategy.type": "fixed-delay",
+        "restart-strategy.fixed-delay.attempts": str(flink.restart_attempts),
+        "restart-strategy.fixed-delay.delay": f"{flink.restart_delay_ms} ms",
         # Python UDFs run inside the JVM (pemja): 20-35% faster than a separate worker process.
         "python.execution-mode": "thread",
         "python.executable": sys.executable,
@@ -74,6 +82,8 @@ def flink_configuration(config: ServingConfig) -> Configuration:
             "taskmanager.bind-host": "127.0.0.1",
             "taskmanager.host": "127.0.0.1",
         })
+    if resume_from is not None:
+        settings["execution.state-recovery.path"] = resume_from.as_uri()
     conf = Configuration()
     for key, value in settings.items():
         conf.set_string(key, value)
@@ -89,7 +99,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
         requests.key_by(BatchKey(config.flink.parallelism), key_type=Types.INT())
         .process(MicroBatcher(config.batching)).name("micro-batch").uid("micro-batch")
         .map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
-        .map(InferBatch(config.model, config.device, config.postprocess)).name("infer").uid("infer")
+        .map(InferBatch(config.model, config.device, config.postprocess, config.testing, config.flink)).name("infer").uid("infer")
         .flat_map(EncodeResults(), output_type=KEYED_BYTES).name("encode").uid("encode")
     )
     results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
@@ -125,9 +135,24 @@ def prepare_process_environment(config: ServingConfig) -> str:
     return os.environ.setdefault("FLINK_LOG_DIR", str(config_dir / "log"))
 
 
-def create_environment(config: ServingConfig) -> StreamExecutionEnvironment:
+def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
+    """The retained checkpoint to restore, or None to start from the group's committed offsets."""
+    checkpoint_dir = config.flink.checkpoint_dir
+    checkpoint = None if fresh else latest_checkpoint(checkpoint_dir)
+    if checkpoint is None:
+        log.info(
+            "%s: starting from the committed offsets of group %s (else the earliest); checkpoints go to %s",
+            "--fresh" if fresh else "no retained checkpoint", config.kafka.group_id, checkpoint_dir,
+        )
+        return None
+    log.info("resuming from the retained checkpoint %s", checkpoint)
+    prune_other_runs(checkpoint_dir, keep=checkpoint)
+    return checkpoint
+
+
+def create_environment(config: ServingConfig, resume_from: Path | None) -> StreamExecutionEnvironment:
     log_dir = prepare_process_environment(config)
-    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config))
+    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, resume_from))
     configure_logging()
     log.info("Flink log folder: %s", log_dir)
     env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))
@@ -156,10 +181,10 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def run(config: ServingConfig) -> int:
+def run(config: ServingConfig, fresh: bool = False) -> int:
     """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then cancels it) or
     until the job ends by itself; returns the exit code."""
-    env = create_environment(config)
+    env = create_environment(config, resume_point(config, fresh))
     build_pipeline(env, config)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
@@ -186,6 +211,7 @@ def run(config: ServingConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="job.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
     args = parser.parse_args(argv)
     configure_logging()
     try:
@@ -194,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(config)
+    return run(config, args.fresh)
 
 
 if __name__ == "__main__":
