@@ -18,6 +18,7 @@ from pathlib import Path
 
 from py4j.java_gateway import JavaObject
 from pyflink.common import Configuration, Types, WatermarkStrategy
+from pyflink.common.job_client import JobClient
 from pyflink.datastream import StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
@@ -32,7 +33,7 @@ from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
 from job.model import ModelError, OnnxModel  # noqa: E402
-from job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
+from job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")
 
@@ -145,7 +146,8 @@ def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
             "--fresh" if fresh else "no retained checkpoint", config.kafka.group_id, checkpoint_dir,
         )
         return None
-    log.info("resuming from the retained checkpoint %s", checkpoint)
+    kind = "savepoint" if checkpoint.parent == savepoint_dir(checkpoint_dir) else "checkpoint"
+    log.info("resuming from the retained %s %s", kind, checkpoint)
     prune_other_runs(checkpoint_dir, keep=checkpoint)
     return checkpoint
 
@@ -182,7 +184,8 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
 
 
 def run(config: ServingConfig, fresh: bool = False) -> int:
-    """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then cancels it) or
+    """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
+    final savepoint) or
     until the job ends by itself; returns the exit code."""
     env = create_environment(config, resume_point(config, fresh))
     build_pipeline(env, config)
@@ -203,9 +206,23 @@ def run(config: ServingConfig, fresh: bool = False) -> int:
         if status.is_globally_terminal_state():
             log.error("job %s ended: %s (see the Flink log)", client.get_job_id(), status.name)
             return 1
-    log.info("stopping job %s", client.get_job_id())
-    client.cancel().result()
+    stop_with_savepoint(client, savepoint_dir(config.flink.checkpoint_dir))
     return 0
+
+
+def stop_with_savepoint(client: JobClient, folder: Path) -> None:
+    """Stops the job the way Flink stops cleanly: a final savepoint, after which the sink has
+    flushed every result and the next start resumes exactly there; cancels if that fails."""
+    log.info("stopping job %s with a final savepoint", client.get_job_id())
+    # PyFlink 2.0's JobClient.stop_with_savepoint calls a Java signature Flink 2.0 no longer has
+    # (it needs the savepoint format), so the Java client is called directly.
+    format_type = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    try:
+        path = client._j_job_client.stopWithSavepoint(False, folder.as_uri(), format_type).get()
+        log.info("final savepoint %s; the next start resumes from it", path)
+    except Exception as exc:  # py4j wraps Flink's reasons in its own error types
+        log.warning("no final savepoint (%s); cancelling the job", str(exc).splitlines()[0])
+        client.cancel().result()
 
 
 def main(argv: list[str] | None = None) -> int:

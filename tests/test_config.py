@@ -78,3 +78,25 @@ def test_unreachable_broker(tmp_path: Path, sample_model: Path) -> None:
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     result = run_job({"model": {"path": str(sample_model)}, "kafka": {"bootstrap_servers": address}}, tmp_path)
     assert_one_line_error(result, f"kafka.bootstrap_servers: no Kafka broker reachable at {address}")
+
+
+def test_unloadable_model(tmp_path: Path) -> None:
+    (tmp_path / "broken.onnx").write_bytes(b"this is not a protobuf")
+    result = run_job({"model": {"path": "broken.onnx"}}, tmp_path)
+    assert_one_line_error(result, f"cannot load model {tmp_path / 'broken.onnx'}")
+
+
+def test_model_inputs_that_do_not_match_the_config(tmp_path: Path, sample_model: Path) -> None:
+    result = run_job({"model": {"path": str(sample_model), "inputs": ["pixels"]}}, tmp_path)
+    assert_one_line_error(result, "model.inputs ['pixels'] do not match the model's inputs ['features']")
+
+
+def test_image_settings_for_an_input_the_model_lacks(tmp_path: Path, sample_model: Path) -> None:
+    config = {"model": {"path": str(sample_model)},
+              "preprocess": {"images": {"photo": {"layout": "CHW"}}}}
+    assert_one_line_error(run_job(config, tmp_path), "preprocess.images.photo: the model has no input 'photo'")
+
+
+def test_missing_connector_jar(tmp_path: Path, sample_model: Path) -> None:
+    result = run_job({"model": {"path": str(sample_model)}, "flink": {"jars": ["/nowhere/flink-connector-kafka.jar"]}}, tmp_path)
+    assert_one_line_error(result, "flink.jars: jar not found: /nowhere/flink-connector-kafka.jar")

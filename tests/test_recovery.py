@@ -7,8 +7,8 @@ partition, so the topics get 4 partitions to stay well below it."""
 from __future__ import annotations
 
 import json
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +35,14 @@ def results_written(config: ServingConfig) -> int:
         consumer.close()
 
 
-def send(config: ServingConfig, features: np.ndarray) -> threading.Thread:
-    """Enqueues one request per row in the background, as clients keep doing while a job dies."""
-    def produce() -> None:
+def send(config: ServingConfig, features: np.ndarray, first: int = 0) -> Future[int]:
+    """Enqueues one request per row (uris req-<first>...) in the background, as clients keep doing
+    while a job dies; result() waits for the flush and re-raises a client error."""
+    def produce() -> int:
         with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
-            inputs.enqueue_batch((f"req-{i}", {"features": row}) for i, row in enumerate(features))
+            return inputs.enqueue_batch((f"req-{first + i}", {"features": row}) for i, row in enumerate(features))
 
-    thread = threading.Thread(target=produce)
-    thread.start()
-    return thread
+    return ThreadPoolExecutor(max_workers=1).submit(produce)
 
 
 def check_all_answered_once(config: ServingConfig, features: np.ndarray, timeout: float) -> dict:
@@ -74,7 +73,7 @@ def test_sigkill_while_requests_are_in_flight_loses_nothing(write_config, tmp_pa
             time.sleep(0.05)
         at_kill = results_written(config)
         first.kill()
-        producer.join()
+        assert producer.result() == KILL_COUNT
         assert 0 < at_kill < KILL_COUNT, f"the kill did not land mid-stream ({at_kill} results written)"
         restarted = time.monotonic()
         second.start()
@@ -91,7 +90,7 @@ def test_task_failure_is_recovered_by_the_restart_strategy(write_config, start_j
     path, config = write_config(testing={"fail_inference_at_batch": 10}, batching={"batch_size": 16, "max_delay_ms": 20})
     job = start_job(path, config)
     features = np.random.default_rng(4).normal(size=(FAIL_COUNT, FEATURES)).astype(np.float32)
-    send(config, features).join()
+    assert send(config, features).result() == FAIL_COUNT
     figures = check_all_answered_once(config, features, timeout=180)
     # One failure, recovered: the exception history (what the web UI's Exceptions tab shows) holds it.
     # numRestarts stays 0 here: Flink counts only global failovers there, not a region's restart.
@@ -99,3 +98,27 @@ def test_task_failure_is_recovered_by_the_restart_strategy(write_config, start_j
     print(json.dumps(figures | {"task failures recovered": len(history)}))
     assert len(history) == 1 and "fail_inference_at_batch" in json.dumps(history)
     assert job.rest(f"/jobs/{job.job_id}")["state"] == "RUNNING"
+
+
+def test_stop_takes_a_final_savepoint_and_start_resumes_there(write_config, tmp_path: Path) -> None:
+    """A clean stop flushes everything: requests sent while the job was down are answered after the
+    next start, and nothing already answered is replayed (no duplicates)."""
+    path, config = write_config()
+    features = np.random.default_rng(6).normal(size=(600, FEATURES)).astype(np.float32)
+    first = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job-1.log").start()
+    assert send(config, features[:300]).result() == 300
+    kafka = config.kafka
+    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-first-half") as outputs:
+        assert len(collect(outputs, 300, timeout=60)) == 300
+    first.stop()
+    assert "final savepoint" in first.log_text() and "cancelling" not in first.log_text(), first.log_tail()
+    assert send(config, features[300:], first=300).result() == 300
+    second = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job-2.log")
+    try:
+        second.start()
+        figures = check_all_answered_once(config, features, timeout=120)
+    finally:
+        second.stop()
+    print(json.dumps(figures))
+    assert "resuming from the retained savepoint" in second.log_text()
+    assert figures["duplicates collapsed"] == 0
