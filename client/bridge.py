@@ -87,9 +87,11 @@ class Bridge:
             max_request_size=self.config.limits.max_instance_bytes + 65536,
             **properties,
         )
+        # Under exactly_once, results of transactions that are not committed (yet, or ever) stay unseen.
+        isolation = "read_committed" if kafka.exactly_once else "read_uncommitted"
         self.waiter = ResultWaiter(
             kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.late_results.inc,
-            **properties,
+            isolation_level=isolation, **properties,
         )
         self.waiter.start(loop)
 

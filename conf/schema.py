@@ -19,6 +19,7 @@ BUILD_JARS = PROJECT_ROOT / "build" / "jars"
 CONNECTOR_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar")
 HELPER_JAR = "cluster-serving-flink.jar"
 DEVICES = ("auto", "cpu", "cuda")
+DELIVERIES = ("at_least_once", "exactly_once")
 IMAGE_CHANNELS = ("RGB", "BGR", "L")
 IMAGE_LAYOUTS = ("HWC", "CHW")
 IMAGE_DTYPES = ("uint8", "float16", "float32", "float64")
@@ -49,7 +50,18 @@ class KafkaConfig:
     result_topic: str
     group_id: str
     partitions: int
+    delivery: str = "at_least_once"
+    transaction_timeout_ms: int = 600000
     properties: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.delivery == "exactly_once"
+
+    @property
+    def transactional_id_prefix(self) -> str:
+        """Unique per deployment (the group id is), as Kafka transactions require."""
+        return f"{self.group_id}-results"
 
 
 @dataclass(frozen=True)
@@ -215,6 +227,10 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
             result_topic=_text(kafka["result_topic"], "kafka.result_topic"),
             group_id=_text(kafka["group_id"], "kafka.group_id"),
             partitions=_int(kafka["partitions"], "kafka.partitions", low=1),
+            delivery=_choice(kafka["delivery"], "kafka.delivery", DELIVERIES),
+            transaction_timeout_ms=_int(
+                kafka["transaction_timeout_ms"], "kafka.transaction_timeout_ms", low=1000
+            ),
             properties=_properties(kafka["properties"]),
         ),
         batching=BatchingConfig(

@@ -57,7 +57,8 @@ def _committed_else_earliest() -> KafkaOffsetsInitializer:
 
 
 def result_sink(kafka: KafkaConfig) -> KafkaSink:
-    """Writes Row(uri, payload) to the result topic with key = uri, at least once."""
+    """Writes Row(uri, payload) to the result topic with key = uri, at least once, or exactly once
+    in transactions committed with each checkpoint (kafka.delivery)."""
     jvm = get_gateway().jvm
     schema = (
         jvm.org.apache.flink.connector.kafka.sink.KafkaRecordSerializationSchema.builder()
@@ -70,8 +71,14 @@ def result_sink(kafka: KafkaConfig) -> KafkaSink:
         KafkaSink.builder()
         .set_bootstrap_servers(kafka.bootstrap_servers)
         .set_record_serializer(KafkaRecordSerializationSchema(schema))
-        .set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
     )
-    for key, value in {**SINK_PROPERTIES, **kafka.properties}.items():
+    properties = dict(SINK_PROPERTIES)
+    if kafka.exactly_once:
+        builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)
+        builder.set_transactional_id_prefix(kafka.transactional_id_prefix)
+        properties["transaction.timeout.ms"] = str(kafka.transaction_timeout_ms)
+    else:
+        builder.set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
+    for key, value in {**properties, **kafka.properties}.items():
         builder.set_property(key, value)
     return builder.build()
