@@ -4,6 +4,8 @@
     cluster-serving broker [--port 9092]       the local in-memory development broker
     cluster-serving start [-c CONFIG] [--local-broker] [--no-http]
                                                the job on an embedded Flink MiniCluster + HTTP bridge
+    cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
+    cluster-serving stop [-c CONFIG]           stops what `start` started (final savepoint first)
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import socket
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from client.operations import StartRecord, status_lines, stop_started
 from client.processes import EmbeddedJob, HttpBridge, LocalBroker
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
@@ -88,10 +92,21 @@ def cmd_broker(args: argparse.Namespace) -> int:
 def cmd_start(args: argparse.Namespace) -> int:
     """The job and the bridge as two child processes; when one ends, the other is stopped too."""
     config = load_config(args.config)
+    if StartRecord.read(config):
+        raise ConfigError(f"already started for this config (see cluster-serving status -c {args.config or ''})")
     broker = start_local_broker(config) if args.local_broker else None
     config_args = ["--config", args.config] if args.config else []
-    modules = ["job.main"] + ([] if args.no_http else ["client.http_bridge"])
-    children = [subprocess.Popen([sys.executable, "-m", module, *config_args]) for module in modules]
+    job_args = ["--fresh"] if args.fresh else []
+    commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["client.http_bridge", *config_args]])
+    children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
+    config_dir = config.source.parent if config.source else Path.cwd()
+    record = StartRecord(
+        pid=os.getpid(), config=str(config.source or DEFAULT_CONFIG_PATH), started_at=time.time(),
+        flink_web_ui=config.http.flink_rest_url, flink_log_dir=os.environ.get("FLINK_LOG_DIR", str(config_dir / "log")),
+    )
+    record.write(config)
+    print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
+          f"cluster-serving status / stop{' -c ' + args.config if args.config else ''}")
     try:
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
@@ -104,7 +119,28 @@ def cmd_start(args: argparse.Namespace) -> int:
         codes = [child.wait() for child in children]
         if broker:
             broker.stop()
+        StartRecord.path_for(config).unlink(missing_ok=True)
     return max(codes)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    lines, running = status_lines(load_config(args.config))
+    print("\n".join(lines))
+    return 0 if running else 3  # 3: "not running", as service managers' status commands say
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    record = StartRecord.read(config)
+    if record is None:
+        print("nothing to stop: no running `cluster-serving start` for this config")
+        return 0
+    print(f"stopping pid {record.pid} (job: final savepoint, then stop; bridge) ...")
+    if not stop_started(record, args.timeout):
+        print(f"error: pid {record.pid} still runs after {args.timeout:g} s", file=sys.stderr)
+        return 1
+    print("stopped")
+    return 0
 
 
 def cmd_http(args: argparse.Namespace) -> int:
@@ -199,7 +235,17 @@ def parser() -> argparse.ArgumentParser:
     start.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
     start.add_argument("--local-broker", action="store_true", help="also start the development broker")
     start.add_argument("--no-http", action="store_true", help="do not start the HTTP bridge")
+    start.add_argument("--fresh", action="store_true", help="ignore retained checkpoints and savepoints")
     start.set_defaults(run=cmd_start)
+
+    status = commands.add_parser("status", help="the job's state, input lag, throughput, web UI address")
+    status.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    status.set_defaults(run=cmd_status)
+
+    stop = commands.add_parser("stop", help="stop what `start` started, with a final savepoint")
+    stop.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    stop.set_defaults(run=cmd_stop)
 
     http = commands.add_parser("http", help="run the HTTP bridge alone")
     http.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")

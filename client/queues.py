@@ -21,6 +21,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from client.instances import encode_request
+from connectors.admin import LagProbe
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -29,12 +30,20 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 DEFAULT_INPUT_TOPIC = "serving_stream"
 DEFAULT_RESULT_TOPIC = "serving_result"
 DEFAULT_CLIENT_GROUP = "cluster-serving-client"
+DEFAULT_JOB_GROUP = "cluster-serving"  # the job's kafka.group_id default
 MAX_RESULT_BYTES = 256 * 1024 * 1024
 # The producer's own record limit (kafka-python's default is 1 MiB): the job's default
 # limits.max_instance_bytes plus room for the message's framing.
 MAX_REQUEST_BYTES = 16 * 1024 * 1024 + 65536
 PROGRESS_EVERY_S = 1.0
+# The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
+LAG_CHECK_EVERY_S = 0.5
+WHEN_FULL = ("block", "refuse")
 Result = dict[Any, Any]
+
+
+class QueueFullError(RuntimeError):
+    """The input topic's lag is over `max_lag`: the job is that far behind (BigDL's queue-full)."""
 
 
 class PredictError(RuntimeError):
@@ -47,7 +56,11 @@ class PredictError(RuntimeError):
 
 class InputQueue:
     """Sends requests: `enqueue(uri, **inputs)`, one Kafka record per request, key = uri; or, with
-    `sync=True`, `predict(request_json)` through the HTTP bridge at `frontend_url`."""
+    `sync=True`, `predict(request_json)` through the HTTP bridge at `frontend_url`.
+
+    With `max_lag`, enqueue first checks how far the job (consumer group `job_group_id`) is behind
+    on the input topic; at `max_lag` records or more it blocks until the job catches up (at most
+    `block_timeout_s`) or, with `when_full="refuse"`, raises QueueFullError at once."""
 
     def __init__(
         self,
@@ -58,6 +71,10 @@ class InputQueue:
         port: int | None = None,
         sync: bool = False,
         frontend_url: str | None = None,
+        max_lag: int | None = None,
+        when_full: str = "block",
+        block_timeout_s: float = 60.0,
+        job_group_id: str = DEFAULT_JOB_GROUP,
         **kafka: Any,
     ):
         if host is not None:  # BigDL's way of naming the broker
@@ -70,6 +87,11 @@ class InputQueue:
             bootstrap_servers=bootstrap_servers, linger_ms=5, acks="all",
             **{"max_request_size": MAX_REQUEST_BYTES, **kafka},
         )
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
+        self.max_lag, self.when_full, self.block_timeout_s = max_lag, when_full, block_timeout_s
+        self._lag_probe = LagProbe(bootstrap_servers, topic, job_group_id, **kafka) if max_lag and not sync else None
+        self._lag_checked = (-1.0, 0)  # (when, lag)
 
     def enqueue(self, uri: str, **data: Any) -> None:
         """Queues one request; returns once it is handed to the producer (call flush() to wait).
@@ -96,7 +118,29 @@ class InputQueue:
     def _send(self, uri: str, data: Mapping[str, Any]) -> None:
         if self._producer is None:
             raise RuntimeError("this InputQueue was made with sync=True: use predict(), not enqueue()")
-        self._producer.send(self.topic, key=uri.encode(), value=encode_request(uri, data))
+        payload = encode_request(uri, data)
+        if self._lag_probe is not None:
+            self._wait_for_room()
+        self._producer.send(self.topic, key=uri.encode(), value=payload)
+
+    def lag(self) -> int:
+        """The job's lag on the input topic, as last measured (at most LAG_CHECK_EVERY_S old)."""
+        assert self._lag_probe is not None, "lag() needs InputQueue(max_lag=...)"
+        checked, lag = self._lag_checked
+        if time.monotonic() - checked >= LAG_CHECK_EVERY_S:
+            self._producer.flush()  # what this queue sent counts too
+            lag = self._lag_probe.lag()
+            self._lag_checked = (time.monotonic(), lag)
+        return lag
+
+    def _wait_for_room(self) -> None:
+        assert self.max_lag is not None
+        deadline = time.monotonic() + self.block_timeout_s
+        while (lag := self.lag()) >= self.max_lag:
+            if self.when_full == "refuse" or time.monotonic() >= deadline:
+                waited = "" if self.when_full == "refuse" else f" after waiting {self.block_timeout_s:g} s"
+                raise QueueFullError(f"input topic {self.topic!r} lag {lag} >= max_lag {self.max_lag}{waited}")
+            time.sleep(LAG_CHECK_EVERY_S)
 
     def predict(self, request: str | Mapping[str, Any], timeout: float = 60.0) -> list[Any]:
         """Sends `{"instances": [...]}` (JSON text or a dict) to the bridge's /predict and returns
@@ -120,6 +164,8 @@ class InputQueue:
     def close(self) -> None:
         if self._producer is not None:
             self._producer.close()
+        if self._lag_probe is not None:
+            self._lag_probe.close()
 
     def __enter__(self) -> InputQueue:
         return self

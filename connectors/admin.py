@@ -1,11 +1,13 @@
-"""Start-up checks against Kafka: is the broker reachable, do the topics exist."""
+"""Questions to Kafka outside the data path: is the broker reachable, do the topics exist, how
+far behind is a consumer group."""
 
 from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -57,3 +59,44 @@ def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
         except (OSError, ValueError):
             continue
     return False
+
+
+def end_offsets(bootstrap_servers: str, topic: str, **properties: Any) -> dict[int, int]:
+    """Each partition's end offset (the next offset to be written): how many records it has had."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, **properties)
+    try:
+        partitions = [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
+        return {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()} if partitions else {}
+    finally:
+        consumer.close()
+
+
+class LagProbe:
+    """Measures how many records of `topic` are not yet covered by `group_id`'s committed offsets.
+    The serving job commits on checkpoints, so this counts up to one checkpoint interval of
+    records more than the job really has left. Keeps one consumer (it never joins the group)."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, group_id: str, **properties: Any):
+        self.topic = topic
+        self._consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False, **properties
+        )
+
+    def lag(self) -> int:
+        partitions = [TopicPartition(self.topic, pid) for pid in sorted(self._consumer.partitions_for_topic(self.topic) or ())]
+        if not partitions:
+            return 0
+        ends = self._consumer.end_offsets(partitions)
+        starts = self._consumer.beginning_offsets(partitions)
+        return sum(ends[tp] - max(self._consumer.committed(tp) or 0, starts[tp]) for tp in partitions)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def consumer_lag(bootstrap_servers: str, topic: str, group_id: str, **properties: Any) -> int:
+    probe = LagProbe(bootstrap_servers, topic, group_id, **properties)
+    try:
+        return probe.lag()
+    finally:
+        probe.close()

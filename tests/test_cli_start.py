@@ -1,18 +1,35 @@
-"""`cluster-serving start` as an operator runs it: job and HTTP bridge up, one SIGTERM stops both."""
+"""`cluster-serving start`, `status` and `stop` as an operator runs them: job and HTTP bridge up,
+status shows them, stop ends both with a final savepoint and leaves nothing behind."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from client.processes import PROJECT_ROOT
 from conf.sample_model import FEATURES
 from tests.conftest import http_call
 
 
-def test_start_serves_http_and_stops_both_children(write_config) -> None:
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "client.cli", *args], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def wait_until_ready(url: str, start: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and start.poll() is None:
+        try:
+            if http_call(f"{url}/v2/health/ready")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+
+
+def test_start_status_stop(write_config) -> None:
     path, config = write_config()
     url = f"http://127.0.0.1:{config.http.port}"
     start = subprocess.Popen(
@@ -20,19 +37,25 @@ def test_start_serves_http_and_stops_both_children(write_config) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and start.poll() is None:
-            try:
-                if http_call(f"{url}/v2/health/ready")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
+        wait_until_ready(url, start)
         status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.25] * FEATURES}]})
         assert status == 200 and len(body["predictions"][0]) == 10, body
-    finally:
-        start.send_signal(signal.SIGTERM)
+        again = cli("start", "-c", str(path))
+        assert again.returncode == 2 and "already started" in again.stderr, again.stderr
+        shown = cli("status", "-c", str(path))
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        for expected in ("started here: pid", "job: RUNNING", f"Flink web UI: http://127.0.0.1:{config.flink.rest_port}",
+                         "input lag: ", "requests/s in: ", "results/s out: ", f"HTTP bridge: ready on {url}", "Flink log: "):
+            assert expected in shown.stdout, shown.stdout
+        stopped = cli("stop", "-c", str(path))
+        assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
         output, _ = start.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
     assert start.returncode == 0, output
     assert "http bridge listening on" in output and "http bridge stopped" in output, output
-    assert "stopping job" in output, output
+    assert "final savepoint" in output and "cancelling" not in output, output
+    assert not (Path(path).parent / ".cluster-serving.json").exists()
+    after = cli("status", "-c", str(path))
+    assert after.returncode == 3 and "started here: no" in after.stdout and "job: " in after.stdout, after.stdout
