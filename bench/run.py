@@ -54,6 +54,7 @@ class ResultReader:
         self.consumer.assign([TopicPartition(kafka.result_topic, p) for p in partitions])
         self.consumer.seek_to_beginning()
         self.arrivals: dict[str, Arrival] = {}
+        self.duplicates = 0
 
     def time_offsets(self, marks: list[int], timeout: float) -> list[float]:
         """When the result topic's total end offset first reached each mark (perf_counter)."""
@@ -75,7 +76,10 @@ class ResultReader:
                 now = time.perf_counter()
                 for record in records:
                     message = decode_message(record.value, 1 << 28)
-                    self.arrivals.setdefault(message.uri, Arrival(now, message.batch_size, message.error is not None))
+                    if message.uri in self.arrivals:
+                        self.duplicates += 1
+                        continue
+                    self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None)
 
 
 def enqueue_all(config: ServingConfig, uris: list[str], features: np.ndarray, rate: float,
