@@ -198,7 +198,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_input_type_end_to_end(name: str, tmp_path: Path, broker, start_job) -> None:
+def test_input_type_end_to_end(name: str, tmp_path: Path, broker, start_job, capsys: pytest.CaptureFixture[str]) -> None:
     case = CASES[name]
     model = case.build(tmp_path / "model.onnx")
     path = write_run_config(tmp_path, model, broker.bootstrap_servers, flink={"checkpoint_interval_ms": 1000}, **case.config)
@@ -209,8 +209,9 @@ def test_input_type_end_to_end(name: str, tmp_path: Path, broker, start_job) -> 
     with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
         kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"
     ) as outputs:
-        sent = inputs.enqueue_batch((f"{name}-{i}", request.inputs) for i, request in enumerate(requests))
+        sent = inputs.enqueue_batch(((f"{name}-{i}", request.inputs) for i, request in enumerate(requests)), progress=True)
         assert sent == len(requests)
+        assert f"enqueued {sent} requests in " in capsys.readouterr().err
         results = [outputs.query(f"{name}-{i}", timeout=60) for i in range(len(requests))]
     session = ort.InferenceSession(str(model))
     output_names = [output.name for output in session.get_outputs()]
