@@ -197,7 +197,7 @@ class EmbeddedJob(ChildProcess):
 
     module = "job.main"
     ready_pattern = re.compile(r"job (?P<job_id>[0-9a-f]{32}) submitted")
-    # SIGINT lets job.main cancel the Flink job and shut the MiniCluster down in order.
+    # SIGINT lets job.main stop the Flink job with a final savepoint and shut the MiniCluster down.
     stop_signal = signal.SIGINT
 
     def __init__(self, config_path: str | Path, rest_port: int, log_path: str | Path | None = None):

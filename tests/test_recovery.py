@@ -82,12 +82,22 @@ def test_exactly_once_against_real_kafka_shows_each_result_once(sample_model: Pa
     assert figures["duplicates collapsed"] == 0
 
 
+class StartedByCli(EmbeddedJob):
+    """The job as an operator restarts it: `cluster-serving start --no-http -c CONFIG`."""
+
+    module = "client.cli"
+
+    def __init__(self, config_path: Path, rest_port: int, log_path: Path):
+        super().__init__(config_path, rest_port, log_path)
+        self.args = ["start", "--no-http", "--config", str(config_path)]
+
+
 def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path, **consumer: object) -> dict:
-    """SIGKILLs the job once a third of the results are written, starts it again and checks that
-    every uri is answered once; returns the figures."""
+    """SIGKILLs the job once a third of the results are written, starts it again with
+    `cluster-serving start` and checks that every uri is answered once; returns the figures."""
     features = np.random.default_rng(3).normal(size=(count, FEATURES)).astype(np.float32)
     first = EmbeddedJob(path, config.flink.rest_port, log_path=folder / "job-1.log").start()
-    second = EmbeddedJob(path, config.flink.rest_port, log_path=folder / "job-2.log")
+    second = StartedByCli(path, config.flink.rest_port, log_path=folder / "job-2.log")
     try:
         producer = send(config, features)
         deadline = time.monotonic() + 120
