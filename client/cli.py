@@ -96,7 +96,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         raise ConfigError(f"already started for this config (see cluster-serving status -c {args.config or ''})")
     broker = start_local_broker(config) if args.local_broker else None
     config_args = ["--config", args.config] if args.config else []
-    job_args = ["--fresh"] if args.fresh else []
+    # A broker started here is new and empty: positions kept from an earlier broker mean nothing.
+    job_args = ["--fresh"] if args.fresh or broker else []
     commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["client.http_bridge", *config_args]])
     children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
     config_dir = config.source.parent if config.source else Path.cwd()
@@ -154,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     config = load_config(config_path)
     broker = start_local_broker(config)
     folder = Path(args.folder)
-    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log")
+    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log", fresh=broker is not None)
     bridge = HttpBridge(config_path, log_path=folder / "http.log")
     try:
         print("starting the serving job on an embedded Flink MiniCluster ...")

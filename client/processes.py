@@ -200,8 +200,8 @@ class EmbeddedJob(ChildProcess):
     # SIGINT lets job.main stop the Flink job with a final savepoint and shut the MiniCluster down.
     stop_signal = signal.SIGINT
 
-    def __init__(self, config_path: str | Path, rest_port: int, log_path: str | Path | None = None):
-        super().__init__(["--config", str(config_path)], log_path)
+    def __init__(self, config_path: str | Path, rest_port: int, log_path: str | Path | None = None, fresh: bool = False):
+        super().__init__(["--config", str(config_path), *(["--fresh"] if fresh else [])], log_path)
         self.rest_port = rest_port
         self.job_id = ""
 

@@ -125,7 +125,8 @@ class InputQueue:
 
     def lag(self) -> int:
         """The job's lag on the input topic, as last measured (at most LAG_CHECK_EVERY_S old)."""
-        assert self._lag_probe is not None, "lag() needs InputQueue(max_lag=...)"
+        if self._lag_probe is None:
+            raise RuntimeError("lag() needs InputQueue(max_lag=...)")
         checked, lag = self._lag_checked
         if time.monotonic() - checked >= LAG_CHECK_EVERY_S:
             self._producer.flush()  # what this queue sent counts too

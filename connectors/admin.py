@@ -78,8 +78,10 @@ class LagProbe:
 
     def __init__(self, bootstrap_servers: str, topic: str, group_id: str, **properties: Any):
         self.topic = topic
+        # The caller's settings may be a producer's too (linger_ms, ...): keep what a consumer takes.
+        settings = {key: value for key, value in properties.items() if key in KafkaConsumer.DEFAULT_CONFIG}
         self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False, **properties
+            bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False, **settings
         )
 
     def lag(self) -> int:
