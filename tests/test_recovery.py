@@ -126,7 +126,9 @@ def test_task_failure_is_recovered_by_the_restart_strategy(write_config, start_j
     figures = check_all_answered_once(config, features, timeout=180)
     # One failure, recovered: the exception history (what the web UI's Exceptions tab shows) holds it.
     # numRestarts stays 0 here: Flink counts only global failovers there, not a region's restart.
-    history = job.rest(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]
+    deadline = time.monotonic() + 30  # the REST API serves a cached view of the job, a few seconds old
+    while not (history := job.rest(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]) and time.monotonic() < deadline:
+        time.sleep(1)
     print(json.dumps(figures | {"task failures recovered": len(history)}))
     assert len(history) == 1 and "fail_inference_at_batch" in json.dumps(history)
     assert job.rest(f"/jobs/{job.job_id}")["state"] == "RUNNING"
