@@ -26,7 +26,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.run import ResultReader, enqueue_all, percentiles
-from client.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
+from client.processes import EmbeddedJob, LocalBroker, free_port, process_group_members, write_run_config
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, IR_VERSION, OPSET
 from connectors.admin import LagProbe, ensure_topics
@@ -75,12 +75,10 @@ def raw_capacity(model: Path, batch_size: int, seconds: float = 2.0) -> float:
 def group_rss_mb(pgid: int) -> float:
     """Resident memory of every process in the group (the job's Python and its Flink JVM)."""
     total_kb = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in process_group_members(pgid):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            status = (stat.parent / "status").read_text()
-        except (OSError, ValueError, IndexError):
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
             continue
         total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     return total_kb / 1024

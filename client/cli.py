@@ -100,12 +100,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     job_args = ["--fresh"] if args.fresh or broker else []
     commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["client.http_bridge", *config_args]])
     children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
-    config_dir = config.source.parent if config.source else Path.cwd()
-    record = StartRecord(
-        pid=os.getpid(), config=str(config.source or DEFAULT_CONFIG_PATH), started_at=time.time(),
-        flink_web_ui=config.http.flink_rest_url, flink_log_dir=os.environ.get("FLINK_LOG_DIR", str(config_dir / "log")),
-    )
-    record.write(config)
+    StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
     print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
           f"cluster-serving status / stop{' -c ' + args.config if args.config else ''}")
     try:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from conf import JOB_NAME, ServingConfig
-from connectors.admin import broker_reachable, client_properties, consumer_lag, end_offsets
+from connectors.admin import broker_reachable, client_properties, consumer_lag, records_written
 
 STATE_FILE = ".cluster-serving.json"
 RATE_SAMPLE_S = 1.0
@@ -24,14 +24,12 @@ class StartRecord:
     """Written by `cluster-serving start` next to its config, removed when it exits."""
 
     pid: int
-    config: str
     started_at: float
-    flink_web_ui: str
     flink_log_dir: str
 
     @staticmethod
     def path_for(config: ServingConfig) -> Path:
-        return (config.source.parent if config.source else Path.cwd()) / STATE_FILE
+        return config.folder / STATE_FILE
 
     def write(self, config: ServingConfig) -> None:
         self.path_for(config).write_text(json.dumps(asdict(self)))
@@ -102,17 +100,17 @@ def kafka_figures(config: ServingConfig) -> dict[str, object]:
     if not broker_reachable(kafka.bootstrap_servers):
         return {"broker": f"not reachable at {kafka.bootstrap_servers}"}
     properties = client_properties(kafka)
-    topics = (kafka.input_topic, kafka.result_topic)
-    before = [sum(end_offsets(kafka.bootstrap_servers, topic, **properties).values()) for topic in topics]
+    topics = [kafka.input_topic, kafka.result_topic]
+    before = records_written(kafka.bootstrap_servers, topics, **properties)
     started = time.monotonic()
     time.sleep(RATE_SAMPLE_S)
-    after = [sum(end_offsets(kafka.bootstrap_servers, topic, **properties).values()) for topic in topics]
+    after = records_written(kafka.bootstrap_servers, topics, **properties)
     elapsed = time.monotonic() - started
     return {
         "broker": kafka.bootstrap_servers,
         "input lag": consumer_lag(kafka.bootstrap_servers, kafka.input_topic, kafka.group_id, **properties),
-        "requests/s in": round((after[0] - before[0]) / elapsed, 1),
-        "results/s out": round((after[1] - before[1]) / elapsed, 1),
+        "requests/s in": round((after[kafka.input_topic] - before[kafka.input_topic]) / elapsed, 1),
+        "results/s out": round((after[kafka.result_topic] - before[kafka.result_topic]) / elapsed, 1),
     }
 
 

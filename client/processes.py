@@ -29,6 +29,19 @@ from connectors.local_broker import READY_PREFIX, SESSION_TIMEOUT_CAP_MS
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def process_group_members(pgid: int) -> set[int]:
+    """The pids of a process group, e.g. a child started here and the JVM it started."""
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
+            members.add(int(stat.parent.name))
+    return members
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as probe:

@@ -7,6 +7,7 @@ key, instead of a Java stack trace minutes later.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,16 @@ class ServingConfig:
     postprocess: PostprocessConfig = PostprocessConfig()
     testing: TestingConfig = TestingConfig()
     source: Path | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The config file's folder (the working folder for the defaults): run state goes there."""
+        return self.source.parent if self.source else Path.cwd()
+
+    @property
+    def flink_log_dir(self) -> Path:
+        """Where Flink's own log goes: `log/` next to the config, unless FLINK_LOG_DIR says else."""
+        return Path(os.environ.get("FLINK_LOG_DIR", self.folder / "log"))
 
     def check_files(self) -> None:
         """Fails when the model or a jar is missing; separate so `init` can validate first."""

@@ -61,12 +61,15 @@ def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     return False
 
 
-def end_offsets(bootstrap_servers: str, topic: str, **properties: Any) -> dict[int, int]:
-    """Each partition's end offset (the next offset to be written): how many records it has had."""
+def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
+    return [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+def records_written(bootstrap_servers: str, topics: list[str], **properties: Any) -> dict[str, int]:
+    """How many records each topic has had: the sum of its partitions' end offsets (one consumer)."""
     consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, **properties)
     try:
-        partitions = [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
-        return {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()} if partitions else {}
+        return {topic: sum(consumer.end_offsets(_partitions(consumer, topic)).values()) for topic in topics}
     finally:
         consumer.close()
 
@@ -85,7 +88,7 @@ class LagProbe:
         )
 
     def lag(self) -> int:
-        partitions = [TopicPartition(self.topic, pid) for pid in sorted(self._consumer.partitions_for_topic(self.topic) or ())]
+        partitions = _partitions(self._consumer, self.topic)
         if not partitions:
             return 0
         ends = self._consumer.end_offsets(partitions)

@@ -132,8 +132,7 @@ def prepare_process_environment(config: ServingConfig) -> str:
     os.environ["_python_worker_execution_mode"] = "process"
     # Flink's own log (JobManager, TaskManager, Kafka clients) goes next to the config file, not
     # into the venv; an explicit FLINK_LOG_DIR wins.
-    config_dir = config.source.parent if config.source else Path.cwd()
-    return os.environ.setdefault("FLINK_LOG_DIR", str(config_dir / "log"))
+    return os.environ.setdefault("FLINK_LOG_DIR", str(config.flink_log_dir))
 
 
 def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
@@ -185,8 +184,7 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
 
 def run(config: ServingConfig, fresh: bool = False) -> int:
     """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
-    final savepoint) or
-    until the job ends by itself; returns the exit code."""
+    final savepoint) or until the job ends by itself; returns the exit code."""
     env = create_environment(config, resume_point(config, fresh))
     build_pipeline(env, config)
     client = env.execute_async(JOB_NAME)

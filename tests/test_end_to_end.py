@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
 
 import numpy as np
 from kafka import KafkaProducer
 
 from client import InputQueue, OutputQueue
+from client.processes import process_group_members
 from conf.sample_model import FEATURES
 from tests.conftest import assert_served
 
@@ -44,18 +44,6 @@ def test_bad_requests_get_error_results_and_others_still_run(write_config, start
     flink_log = "".join(log.read_text(errors="replace") for log in (path.parent / "log").glob("*.log"))
     for uri in ("wrong-shape", "wrong-name", "garbage"):
         assert f"uri={uri} " in flink_log, f"no log line names uri={uri}"
-
-
-def process_group_members(pgid: int) -> set[int]:
-    members = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
-            members.add(int(stat.parent.name))
-    return members
 
 
 def listening_addresses(pids: set[int]) -> list[str]:

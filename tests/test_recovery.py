@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from client import InputQueue, OutputQueue
 from client.processes import EmbeddedJob, write_run_config
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES
+from connectors.admin import records_written
 from tests.conftest import collect
 
 KILL_COUNT = 10_000
@@ -32,12 +32,7 @@ REAL_KAFKA = os.environ.get("KAFKA_BOOTSTRAP", "")
 
 def results_written(config: ServingConfig) -> int:
     """How many records the result topic holds (duplicates included)."""
-    consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers)
-    try:
-        partitions = [TopicPartition(config.kafka.result_topic, p) for p in consumer.partitions_for_topic(config.kafka.result_topic) or ()]
-        return sum(consumer.end_offsets(partitions).values()) if partitions else 0
-    finally:
-        consumer.close()
+    return records_written(config.kafka.bootstrap_servers, [config.kafka.result_topic])[config.kafka.result_topic]
 
 
 def send(config: ServingConfig, features: np.ndarray, first: int = 0) -> Future[int]:
