@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -42,8 +43,36 @@ def process_group_members(pgid: int) -> set[int]:
     return members
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on now and that no other process will be
+    handed by the kernel later. The port is chosen below the ephemeral range: a port from the
+    ephemeral range is free only until some outgoing connection (a Kafka client, Flink's own
+    RPC) is given it, which made a bridge started seconds later fail with "Address already in
+    use". Ports are not handed out twice by one process."""
+    low, _ = _ephemeral_port_range()
+    candidates = list(range(20000, low)) if low > 21000 else []
+    random.shuffle(candidates)
+    for port in candidates:
+        if port in _PORTS_HANDED_OUT:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_HANDED_OUT.add(port)
+        return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
