@@ -25,7 +25,7 @@ from client.instances import encode_request
 from client.model_info import read_signature
 from client.result_waiter import ResultWaiter
 from conf import JOB_NAME, ConfigError, ServingConfig
-from connectors.admin import broker_reachable, client_properties, ensure_topics
+from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
 from connectors.codec import Message
 
 log = logging.getLogger("cluster_serving.bridge")
@@ -87,11 +87,9 @@ class Bridge:
             max_request_size=self.config.limits.max_instance_bytes + 65536,
             **properties,
         )
-        # Under exactly_once, results of transactions that are not committed (yet, or ever) stay unseen.
-        isolation = "read_committed" if kafka.exactly_once else "read_uncommitted"
         self.waiter = ResultWaiter(
             kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.late_results.inc,
-            isolation_level=isolation, **properties,
+            isolation_level=READ_COMMITTED, **properties,
         )
         self.waiter.start(loop)
 

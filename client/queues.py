@@ -21,7 +21,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from client.instances import encode_request
-from connectors.admin import LagProbe
+from connectors.admin import READ_COMMITTED, LagProbe
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class OutputQueue:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             fetch_max_wait_ms=50,
-            **kafka,
+            **{"isolation_level": READ_COMMITTED, **kafka},
         )
         self._partitions: list[TopicPartition] = []
 

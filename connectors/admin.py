@@ -15,6 +15,11 @@ from conf import ConfigError, KafkaConfig
 
 log = logging.getLogger(__name__)
 
+# How result readers consume. Under kafka.delivery exactly_once it hides results of transactions
+# not committed (yet, or ever: a restart aborts them); without transactions it reads the same as
+# read_uncommitted, so readers use it whatever the job's delivery setting is.
+READ_COMMITTED = "read_committed"
+
 
 def client_properties(kafka: KafkaConfig) -> dict[str, str]:
     """kafka.properties in kafka-python's spelling (security.protocol -> security_protocol)."""

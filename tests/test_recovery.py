@@ -45,10 +45,10 @@ def send(config: ServingConfig, features: np.ndarray, first: int = 0) -> Future[
     return ThreadPoolExecutor(max_workers=1).submit(produce)
 
 
-def check_all_answered_once(config: ServingConfig, features: np.ndarray, timeout: float, **consumer: object) -> dict:
+def check_all_answered_once(config: ServingConfig, features: np.ndarray, timeout: float) -> dict:
     """Every uri's one visible result equals ONNX Runtime's; returns the figures to print."""
     kafka = config.kafka
-    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client", **consumer) as outputs:
+    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
         results = collect(outputs, len(features), timeout)
         duplicates = outputs.store.duplicates
     expected = ort.InferenceSession(str(config.model.path)).run(None, {"features": features})[0]
@@ -72,7 +72,7 @@ def test_sigkill_while_requests_are_in_flight_loses_nothing(write_config, tmp_pa
 def test_exactly_once_against_real_kafka_shows_each_result_once(sample_model: Path, tmp_path: Path) -> None:
     path = write_run_config(tmp_path, sample_model, REAL_KAFKA, kafka={"delivery": "exactly_once"},
                             flink={"checkpoint_interval_ms": 1000})
-    figures = kill_and_restart(path, load_config(path), FAIL_COUNT, tmp_path, isolation_level="read_committed")
+    figures = kill_and_restart(path, load_config(path), FAIL_COUNT, tmp_path)  # OutputQueue reads read_committed
     print(json.dumps(figures))
     assert figures["duplicates collapsed"] == 0
 
@@ -87,7 +87,7 @@ class StartedByCli(EmbeddedJob):
         self.args = ["start", "--no-http", "--config", str(config_path)]
 
 
-def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path, **consumer: object) -> dict:
+def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path) -> dict:
     """SIGKILLs the job once a third of the results are written, starts it again with
     `cluster-serving start` and checks that every uri is answered once; returns the figures."""
     features = np.random.default_rng(3).normal(size=(count, FEATURES)).astype(np.float32)
@@ -104,7 +104,7 @@ def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path
         assert 0 < at_kill < count, f"the kill did not land mid-stream ({at_kill} results written)"
         restarted = time.monotonic()
         second.start()
-        figures = check_all_answered_once(config, features, timeout=240, **consumer)
+        figures = check_all_answered_once(config, features, timeout=240)
         figures |= {"results written before SIGKILL": at_kill, "seconds from restart to all answered": round(time.monotonic() - restarted, 1)}
     finally:
         first.stop()
