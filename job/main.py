@@ -73,6 +73,10 @@ def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Conf
         # same latency (p50 94-100 ms vs 93.5 ms at 200 req/s): it does not bound a batch's wait.
         "python.fn-execution.bundle.size": "1000",
         "python.fn-execution.bundle.time": str(max(1, config.batching.max_delay_ms)),
+        # Records cross the network exchange after key_by when a buffer fills or this timeout
+        # passes (Flink's default 100 ms). Measured at 200 req/s: p50 92 ms -> 44 ms with 5 ms;
+        # 1 ms and 0 ms gave no lower latency and less capacity.
+        "execution.buffer-timeout.interval": "5 ms",
     }
     if not submitted_by_flink_cli():
         settings.update({
