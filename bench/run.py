@@ -4,8 +4,9 @@
 
 Four figures, all measured in this run on this machine:
 1. capacity: N requests are put on the input topic before the job starts; the job then drains
-   that backlog as fast as it can, timed by the result topic's end offset (so the client's own
-   decoding speed is not in the figure; a warm-up share of the backlog absorbs start-up);
+   that backlog as fast as it can, timed by the result topic's end offsets (read every 20 ms, so
+   the client's own decoding speed is not in the figure; the rate counts from the first reading
+   past a warm-up share of the backlog, which absorbs start-up, to the last);
 2. latency: requests sent through InputQueue at a steady --rate, enqueue -> result read;
 3. HTTP: --http-clients concurrent clients, each sending one-instance POST /predict requests over
    a kept-alive connection to the HTTP bridge: throughput and latency as the clients see them;
@@ -56,18 +57,21 @@ class ResultReader:
         self.arrivals: dict[str, Arrival] = {}
         self.duplicates = 0
 
-    def time_offsets(self, marks: list[int], timeout: float) -> list[float]:
-        """When the result topic's total end offset first reached each mark (perf_counter)."""
-        reached: list[float] = []
+    def drain_rate(self, start: int, end: int, timeout: float) -> float:
+        """Results per second while the result topic grew past `start` records up to `end`, from
+        the counts actually read at both ends: the job may be far past `start` at the first
+        reading (NaN when it never reached `end`)."""
         deadline = time.monotonic() + timeout
         partitions = list(self.consumer.assignment())
-        while len(reached) < len(marks) and time.monotonic() < deadline:
-            total = sum(self.consumer.end_offsets(partitions).values())
-            now = time.perf_counter()
-            while len(reached) < len(marks) and total >= marks[len(reached)]:
-                reached.append(now)
-            time.sleep(0.01)
-        return reached
+        first: tuple[float, int] | None = None
+        while time.monotonic() < deadline:
+            total, now = sum(self.consumer.end_offsets(partitions).values()), time.perf_counter()
+            if first is None and total >= start:
+                first = (now, total)
+            if first is not None and total >= end and now > first[0]:
+                return (total - first[1]) / (now - first[0])
+            time.sleep(0.02)
+        return float("nan")
 
     def read_until(self, uris: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -125,16 +129,17 @@ def http_load(url: str, features: np.ndarray, clients: int, requests: int) -> di
     return {"http_rate": len(latencies) / elapsed, "http_latency": percentiles(latencies), "http_failures": len(failures)}
 
 
-def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, requests: int) -> float:
-    """Requests per second of a plain InferenceSession fed ready batches (no Kafka, no Flink)."""
+def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, seconds: float = 2.0) -> float:
+    """Requests per second of a plain InferenceSession fed ready batches (no Kafka, no Flink),
+    run for `seconds`: a fixed number of runs of a small model lasts milliseconds and is noise."""
     batch = np.random.default_rng(1).normal(size=(batch_size, FEATURES)).astype(np.float32)
     for _ in range(20):
         session.run(None, {"features": batch})
-    runs = max(1, requests // batch_size)
-    started = time.perf_counter()
-    for _ in range(runs):
+    runs, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
         session.run(None, {"features": batch})
-    return runs * batch_size / (time.perf_counter() - started)
+        runs += 1
+    return runs * batch_size / elapsed
 
 
 def percentiles(values: list[float]) -> str:
@@ -157,7 +162,7 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job.log")
     try:
         job.start()
-        warm_done, backlog_done = reader.time_offsets([len(warmup), len(warmup) + len(backlog)], timeout=900)
+        capacity = reader.drain_rate(len(warmup), len(warmup) + len(backlog), timeout=900)
         reader.read_until(warmup + backlog, timeout=300)
         paced = [f"paced-{i}" for i in range(args.latency_requests)]
         sender = threading.Thread(target=enqueue_all, args=(config, paced, features, args.rate, sent))
@@ -170,7 +175,6 @@ def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[s
         job.stop()
     arrivals = reader.arrivals
     missing = [uri for uri in warmup + backlog + paced if uri not in arrivals]
-    capacity = len(backlog) / (backlog_done - warm_done)
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
         "enqueue_rate": enqueue_rate,
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--bootstrap", help="a running Kafka to use instead of a local broker")
     args = parser.parse_args(argv)
+    if args.requests < 1000:
+        parser.error("--requests: at least 1000, or the drain is too short to time")
 
     with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
         folder = Path(name)
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 broker.stop()
         # The same provider choice as the job's, so the ratio compares like with like.
         session = open_session(model, args.device)
-        raw = raw_onnxruntime(session, args.batch_size, args.requests)
+        raw = raw_onnxruntime(session, args.batch_size)
 
     print(f"model: sample classifier {FEATURES}->{args.hidden}->10 on {session.get_providers()[0]}; "
           f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")

@@ -6,7 +6,9 @@ limit, tiny timeout, no Flink to ask) run beside the main one against the same j
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ import pytest
 import yaml
 
 from client import InputQueue, PredictError
+from client.http_bridge import listen
 from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from conf import load_config
 from conf.sample_model import FEATURES
@@ -257,3 +260,25 @@ def test_openapi_fuzzing_finds_no_undocumented_server_errors(stack: Stack, tmp_p
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout
+
+
+def test_bridge_connections_send_small_writes_at_once() -> None:
+    """Nagle's algorithm off on accepted connections: with it on, every response's body waited
+    for the client's delayed ACK (measured: 42 ms per /v2/health/live, 1.4 ms without)."""
+    listener = listen("127.0.0.1", free_port())
+
+    async def nodelay_of_accepted_socket() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        async with await asyncio.start_server(on_connect, sock=listener):
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            try:
+                return await asyncio.wait_for(accepted, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(nodelay_of_accepted_socket()) != 0
