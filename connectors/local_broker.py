@@ -54,6 +54,9 @@ INITIAL_REBALANCE_DELAY_MS = 500
 # JoinGroup session timeouts are capped (Java's default is 45 s). Heartbeats every 3 s
 # (both clients' default) keep members well inside this.
 SESSION_TIMEOUT_CAP_MS = 10_000
+# About what the mock keeps per partition before it drops the oldest records (measured; see the
+# module docstring). Whoever fills a topic with a backlog sizes its partitions by it.
+PARTITION_KEEPS_BYTES = 5 * 1024 * 1024
 
 _RD_KAFKA_PRODUCER = 0
 _REQUIRED_SYMBOLS = (
