@@ -26,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
-from bench.run import ResultReader, enqueue_all, percentiles
+from bench.run import ResultReader, enqueue_all, percentiles, raw_onnxruntime
 from client.instances import encode_request
 from client.processes import EmbeddedJob, LocalBroker, free_port, process_group_members, write_run_config
 from conf import ServingConfig, load_config
@@ -64,16 +64,9 @@ def slow_model(path: Path, layers: int) -> Path:
     return path
 
 
-def raw_capacity(model: Path, batch_size: int, seconds: float = 2.0) -> float:
-    """Requests per second of a plain CPU InferenceSession fed full batches."""
-    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
-    batch = np.ones((batch_size, FEATURES), np.float32)
-    session.run(None, {"features": batch})
-    runs, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        session.run(None, {"features": batch})
-        runs += 1
-    return runs * batch_size / (time.perf_counter() - started)
+def raw_capacity(model: Path, batch_size: int) -> float:
+    """Requests per second of a plain CPU InferenceSession fed full batches (the job runs on CPU)."""
+    return raw_onnxruntime(ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]), batch_size)
 
 
 def group_rss_mb(pgid: int) -> float:

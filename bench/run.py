@@ -133,7 +133,8 @@ def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, seconds: flo
     """Requests per second of a plain InferenceSession fed ready batches (no Kafka, no Flink),
     run for `seconds`: a fixed number of runs of a small model lasts milliseconds and is noise."""
     batch = np.random.default_rng(1).normal(size=(batch_size, FEATURES)).astype(np.float32)
-    for _ in range(20):
+    warm_until = time.perf_counter() + seconds / 10  # first runs are slower (allocation, caches)
+    while time.perf_counter() < warm_until:
         session.run(None, {"features": batch})
     runs, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds:

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -23,6 +21,7 @@ from client.bridge_metrics import BridgeMetrics
 from client.http_json import RequestError
 from client.instances import encode_request
 from client.model_info import read_signature
+from client.operations import flink_job
 from client.result_waiter import ResultWaiter
 from conf import JOB_NAME, ConfigError, ServingConfig
 from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
@@ -114,14 +113,11 @@ class Bridge:
             return "the bridge is not connected to Kafka"
         if not broker_reachable(self.config.kafka.bootstrap_servers):
             return f"no Kafka broker reachable at {self.config.kafka.bootstrap_servers}"
-        url = f"{self.config.http.flink_rest_url}/jobs/overview"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                jobs = json.load(response)["jobs"]
-        except (OSError, ValueError, KeyError) as exc:
-            return f"Flink REST API not reachable at {url} ({exc})"
-        if not any(job.get("name") == JOB_NAME and job.get("state") == "RUNNING" for job in jobs):
-            return f"no running {JOB_NAME!r} job on {self.config.http.flink_rest_url}"
+        job = flink_job(self.config.http.flink_rest_url, timeout_s=2)
+        if isinstance(job, str):
+            return job
+        if job["state"] != "RUNNING":
+            return f"no running {JOB_NAME!r} job on {self.config.http.flink_rest_url} (the newest is {job['state']})"
         return None
 
     def admit(self) -> None:

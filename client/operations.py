@@ -69,10 +69,11 @@ def stop_started(record: StartRecord, timeout_s: float) -> bool:
     return False
 
 
-def flink_job(rest_url: str) -> dict | str:
-    """The newest job named cluster-serving on the Flink REST API, or why there is none."""
+def flink_job(rest_url: str, timeout_s: float = 3.0) -> dict | str:
+    """The running (else the newest) job named cluster-serving on the Flink REST API, or why
+    there is none."""
     try:
-        with urllib.request.urlopen(f"{rest_url}/jobs/overview", timeout=3) as response:
+        with urllib.request.urlopen(f"{rest_url}/jobs/overview", timeout=timeout_s) as response:
             jobs = [job for job in json.load(response)["jobs"] if job.get("name") == JOB_NAME]
     except (OSError, ValueError, KeyError) as exc:
         return f"Flink REST API not reachable at {rest_url} ({exc})"

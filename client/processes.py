@@ -46,12 +46,11 @@ def process_group_members(pgid: int) -> set[int]:
 _PORTS_HANDED_OUT: set[int] = set()
 
 
-def _ephemeral_port_range() -> tuple[int, int]:
+def _ephemeral_ports_start() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
@@ -60,7 +59,7 @@ def free_port() -> int:
     ephemeral range is free only until some outgoing connection (a Kafka client, Flink's own
     RPC) is given it, which made a bridge started seconds later fail with "Address already in
     use". Ports are not handed out twice by one process."""
-    low, _ = _ephemeral_port_range()
+    low = _ephemeral_ports_start()
     candidates = list(range(20000, low)) if low > 21000 else []
     random.shuffle(candidates)
     for port in candidates:
