@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import threading
 import time
@@ -27,17 +26,14 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.run import ResultReader, enqueue_all, percentiles, raw_onnxruntime
-from client.instances import encode_request
 from client.processes import EmbeddedJob, LocalBroker, free_port, process_group_members, write_run_config
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, IR_VERSION, OPSET
 from connectors.admin import LagProbe, ensure_topics
-from connectors.local_broker import PARTITION_KEEPS_BYTES
 
 WIDTH = 1024
 PROBES = 20
 PROBE_RATE = 5.0
-RECORD_OVERHEAD = 80  # a Kafka record's own bytes beside key and value, with room to spare
 
 
 def slow_model(path: Path, layers: int) -> Path:
@@ -107,14 +103,6 @@ def latency_probe(config: ServingConfig, reader: ResultReader, prefix: str, sent
     return percentiles([(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in uris if uri in reader.arrivals])
 
 
-def partitions_for(requests: int, minimum: int) -> int:
-    """Enough input partitions for a backlog of `requests` to fill at most 3/4 of what the local
-    broker keeps per partition: past that it drops requests the job has not read yet (a 60 s run
-    at 5 x 230 req/s over 8 partitions lost 12,000 that way)."""
-    record_bytes = len(encode_request("burst-0000000", {"features": np.zeros(FEATURES, np.float32)})) + RECORD_OVERHEAD
-    return max(minimum, math.ceil(requests * record_bytes / (PARTITION_KEEPS_BYTES * 3 / 4)))
-
-
 def run(config: ServingConfig, job: EmbeddedJob, duration: float, factor: float, capacity: float) -> dict:
     """The burst against a running job; returns the figures."""
     features = np.random.default_rng(0).normal(size=(256, FEATURES)).astype(np.float32)
@@ -156,17 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of over-rate input")
     parser.add_argument("--factor", type=float, default=5.0, help="input rate / the model's capacity")
     parser.add_argument("--layers", type=int, default=400, help="MatMul layers of the slow model")
-    parser.add_argument("--partitions", type=int, default=8, help="at least; more when the burst needs them")
+    parser.add_argument("--partitions", type=int, default=8, help="partitions of the input topic")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cs-backpressure-") as name:
         folder = Path(name)
         model = slow_model(folder / "model.onnx", args.layers)
         capacity = raw_capacity(model, args.batch_size)
-        partitions = partitions_for(int(args.factor * capacity * args.duration), args.partitions)
-        with LocalBroker(port=free_port(), log_path=folder / "broker.log") as broker:
+        with LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log") as broker:
             path = write_run_config(
-                folder, model, broker.bootstrap_servers, kafka={"partitions": partitions},
+                folder, model, broker.bootstrap_servers, kafka={"partitions": args.partitions},
                 batching={"batch_size": args.batch_size, "max_delay_ms": 10}, device="cpu",
             )
             config = load_config(path)

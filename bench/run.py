@@ -50,7 +50,7 @@ class ResultReader:
 
     def __init__(self, config: ServingConfig):
         kafka = config.kafka
-        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, fetch_max_wait_ms=10)
+        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers)
         partitions = self.consumer.partitions_for_topic(kafka.result_topic)
         self.consumer.assign([TopicPartition(kafka.result_topic, p) for p in partitions])
         self.consumer.seek_to_beginning()
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
         folder = Path(name)
         model = build_sample_model(folder / "model.onnx", hidden=args.hidden)
-        broker = None if args.bootstrap else LocalBroker(port=free_port(), log_path=folder / "broker.log")
+        broker = None if args.bootstrap else LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log")
         if broker:
             broker.start()
         try:

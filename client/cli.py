@@ -1,7 +1,7 @@
 """`cluster-serving`: set up, run and try the serving job.
 
     cluster-serving init [DIR]                 starter config.yaml + sample model.onnx in DIR
-    cluster-serving broker [--port 9092]       the local in-memory development broker
+    cluster-serving broker [--port 9092]       the local Apache Kafka broker (data in run/kafka)
     cluster-serving start [-c CONFIG] [--local-broker] [--no-http]
                                                the job on an embedded Flink MiniCluster + HTTP bridge
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
@@ -63,15 +63,16 @@ def port_in_use(host: str, port: int) -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-def start_local_broker(config: ServingConfig) -> LocalBroker | None:
-    """Starts the development broker on the configured port, unless one already listens there."""
+def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroker | None:
+    """Starts the local Kafka broker on the configured port, its data next to the config file
+    (`kafka/`), unless a broker already listens there."""
     host, port = broker_address(config)
     if port_in_use(host, port):
         print(f"using the Kafka broker already listening on {host}:{port}")
         return None
-    broker = LocalBroker(port=port)
+    broker = LocalBroker(config.folder / "kafka", port=port, log_path=config.folder / "kafka.log", fresh=fresh)
     broker.start()
-    print(f"local broker (in-memory, for development) on {broker.bootstrap_servers}")
+    print(f"local Kafka broker on {broker.bootstrap_servers} (ready in {broker.ready_seconds:.1f} s; data: {broker.data})")
     return broker
 
 
@@ -85,7 +86,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_broker(args: argparse.Namespace) -> int:
     from connectors.local_broker import main as broker_main
 
-    argv = ["--port", str(args.port)] + [item for topic in args.topic for item in ("--topic", topic)]
+    argv = ["--port", str(args.port), "--data", args.data, *(["--fresh"] if args.fresh else [])]
+    argv += [item for topic in args.topic for item in ("--topic", topic)]
     return broker_main(argv)
 
 
@@ -96,8 +98,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         raise ConfigError(f"already started for this config (see cluster-serving status -c {args.config or ''})")
     broker = start_local_broker(config) if args.local_broker else None
     config_args = ["--config", args.config] if args.config else []
-    # A broker started here is new and empty: positions kept from an earlier broker mean nothing.
-    job_args = ["--fresh"] if args.fresh or broker else []
+    job_args = ["--fresh"] if args.fresh else []
     commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["client.http_bridge", *config_args]])
     children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
     StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
@@ -148,9 +149,10 @@ def cmd_http(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     config_path = init_folder(Path(args.folder))
     config = load_config(config_path)
-    broker = start_local_broker(config)
+    # The demo starts from nothing each time: a fresh broker folder, so no retained position applies.
+    broker = start_local_broker(config, fresh=True)
     folder = Path(args.folder)
-    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log", fresh=broker is not None)
+    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log", fresh=True)
     bridge = HttpBridge(config_path, log_path=folder / "http.log")
     try:
         print("starting the serving job on an embedded Flink MiniCluster ...")
@@ -222,14 +224,16 @@ def parser() -> argparse.ArgumentParser:
     init.add_argument("folder", nargs="?", default=".")
     init.set_defaults(run=cmd_init)
 
-    broker = commands.add_parser("broker", help="run the local in-memory development broker")
-    broker.add_argument("--port", type=int, default=9092)
+    broker = commands.add_parser("broker", help="run the local Apache Kafka broker (KRaft, 127.0.0.1)")
+    broker.add_argument("--port", type=int, default=9092, help="port to listen on (default 9092)")
+    broker.add_argument("--data", default="run/kafka", help="data folder, kept across restarts (default run/kafka)")
+    broker.add_argument("--fresh", action="store_true", help="wipe the data folder first")
     broker.add_argument("--topic", action="append", default=[], metavar="NAME:PARTITIONS")
     broker.set_defaults(run=cmd_broker)
 
     start = commands.add_parser("start", help="run the job on an embedded Flink MiniCluster")
     start.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    start.add_argument("--local-broker", action="store_true", help="also start the development broker")
+    start.add_argument("--local-broker", action="store_true", help="also start the local Kafka broker (data in kafka/ next to the config)")
     start.add_argument("--no-http", action="store_true", help="do not start the HTTP bridge")
     start.add_argument("--fresh", action="store_true", help="ignore retained checkpoints and savepoints")
     start.set_defaults(run=cmd_start)

@@ -1,4 +1,5 @@
-"""Child processes the CLI, the demo and the tests start: the local broker and the embedded job.
+"""Child processes the CLI, the demo and the tests start: the local Kafka broker, the embedded job
+and the HTTP bridge.
 
 Each runs in its own process group, so stopping it also stops what it started (the embedded
 job's JVM), and a test that fails still leaves nothing behind.
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from client.http_bridge import READY_LINE
-from connectors.local_broker import READY_PREFIX, SESSION_TIMEOUT_CAP_MS
+from connectors.local_broker import READY_PREFIX
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,27 +195,34 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 class LocalBroker(ChildProcess):
-    """The in-memory development broker (`python -m connectors.local_broker`)."""
+    """The local Apache Kafka broker (`python -m connectors.local_broker`), its data in `data`."""
 
     module = "connectors.local_broker"
-    ready_pattern = re.compile(re.escape(READY_PREFIX) + r"(?P<address>\S+)")
+    ready_pattern = re.compile(re.escape(READY_PREFIX) + r"(?P<address>\S+) in (?P<seconds>[0-9.]+) s")
 
     def __init__(
         self,
+        data: str | Path,
         port: int = 0,
         topics: dict[str, int] | None = None,
         log_path: str | Path | None = None,
-        session_timeout_cap_ms: int = SESSION_TIMEOUT_CAP_MS,
+        fresh: bool = False,
     ):
         topic_args = [arg for name, count in (topics or {}).items() for arg in ("--topic", f"{name}:{count}")]
-        cap_args = ["--session-timeout-cap-ms", str(session_timeout_cap_ms)]
-        super().__init__(["--port", str(port), *cap_args, *topic_args], log_path)
+        fresh_args = ["--fresh"] if fresh else []
+        super().__init__(["--port", str(port), "--data", str(data), *fresh_args, *topic_args], log_path)
+        self.data = Path(data)
         self.bootstrap_servers = ""
 
-    def start(self, timeout: float = 20.0) -> LocalBroker:
+    def start(self, timeout: float = 90.0) -> LocalBroker:
         super().start(timeout)
         self.bootstrap_servers = self.ready["address"]
         return self
+
+    @property
+    def ready_seconds(self) -> float:
+        """How long the broker took from the command to serving clients, as it printed."""
+        return float(self.ready["seconds"]) if self.ready else float("nan")
 
 
 class HttpBridge(ChildProcess):

@@ -247,7 +247,6 @@ class OutputQueue:
             group_id=group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            fetch_max_wait_ms=50,
             **{"isolation_level": READ_COMMITTED, **kafka},
         )
         self._partitions: list[TopicPartition] = []

@@ -31,7 +31,7 @@ class ResultWaiter:
         self.on_late = on_late
         self.uri_prefix = uri_prefix
         self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers, enable_auto_commit=False, fetch_max_wait_ms=20, **kafka
+            bootstrap_servers=bootstrap_servers, enable_auto_commit=False, **kafka
         )
         self._pending: dict[str, asyncio.Future[Message]] = {}
         self._timed_out: OrderedDict[str, None] = OrderedDict()

@@ -17,7 +17,8 @@ import yaml
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("config.yaml")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BUILD_JARS = PROJECT_ROOT / "build" / "jars"
-CONNECTOR_JARS = ("flink-connector-kafka.jar", "kafka-clients.jar")
+# Flink's Kafka connector with kafka-clients inside (shaded), from Maven Central (scripts/setup.sh).
+CONNECTOR_JARS = ("flink-sql-connector-kafka.jar",)
 HELPER_JAR = "cluster-serving-flink.jar"
 DEVICES = ("auto", "cpu", "cuda")
 DELIVERIES = ("at_least_once", "exactly_once")
@@ -166,7 +167,7 @@ class ServingConfig:
             if not jar.is_file():
                 raise ConfigError(
                     f"flink.jars: jar not found: {jar} (run scripts/setup.sh, or list your "
-                    "own flink-connector-kafka and kafka-clients jars in flink.jars)"
+                    "own flink-sql-connector-kafka jar in flink.jars)"
                 )
 
 

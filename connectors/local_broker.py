@@ -1,253 +1,294 @@
-"""In-memory Kafka broker for local development and tests.
+"""The local development broker: Apache Kafka itself, one KRaft node that is broker and controller.
 
-This is NOT a Kafka server: it is librdkafka's in-memory mock cluster (shipped inside the
-confluent-kafka wheel, reached through ctypes) behind a small protocol front
-(``connectors.kafka_front``) that lets Java kafka-clients and kafka-python talk to it. All
-data lives in memory and is lost when the process exits. Production deployments point
-``kafka.bootstrap_servers`` at a real Kafka cluster instead.
+Its jars come from Maven Central (`scripts/setup.sh` puts them in build/kafka/libs, see
+`scripts/maven/kafka-broker.pom.xml` for the version). It listens on 127.0.0.1 only and keeps its
+data in a folder (`--data`, default `run/kafka`) across restarts; `--fresh` wipes it first.
+Everything else about it is stock Kafka: production points `kafka.bootstrap_servers` at its own
+cluster and nothing in the project changes.
 
-What works: topic creation (CreateTopics, the ``--topic`` option, or automatic creation with
-the mock's default of 4 partitions when a client asks Metadata for an unknown topic with
-auto-creation allowed), deletion (DeleteTopics), produce (acks 0/1/all, idempotent and
-transactional producers), fetch, consumer groups with committed offsets.
+Layout of the data folder:
 
-Limits of the mock:
-
-* each partition keeps only its newest ~5 MiB (or 100,000 batches); older records are
-  dropped, and a consumer further behind skips them (its position resets to the log start);
-* read_committed consumers also see aborted and still-open transactional records;
-* a rebalance after a group's first one (a member joins or leaves) takes the capped session
-  timeout minus one second (``SESSION_TIMEOUT_CAP_MS``);
-* no DescribeGroups, ListGroups, DescribeConfigs, SASL, TLS or other admin APIs.
+    server.properties   written at every start (ports may change between starts)
+    log4j2.properties   the broker's logging
+    broker.log          the broker's own log (WARN and the lifecycle lines)
+    log/                Kafka's log.dirs: topics, offsets, transactions, the KRaft metadata log
 
 Run it in the foreground::
 
     python -m connectors.local_broker --port 9092 --topic requests:3
 
-or from Python, always as a separate process, with ``client.processes.LocalBroker``.
+or from Python, as a separate process, with ``client.processes.LocalBroker``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import base64
 import ctypes
-import importlib.util
-import ipaddress
 import logging
+import shutil
 import signal
+import socket
+import subprocess
 import sys
-from ctypes import c_char_p, c_int, c_int32, c_size_t, c_void_p
+import time
+import uuid
 from pathlib import Path
 
-from connectors.kafka_front import KafkaFront
+from kafka import KafkaAdminClient
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 log = logging.getLogger("connectors.local_broker")
 
-READY_PREFIX = "local broker ready on "
+READY_PREFIX = "local Kafka broker ready on "
+KAFKA_LIBS = Path(__file__).resolve().parent.parent / "build" / "kafka" / "libs"
+LOOPBACK = "127.0.0.1"
+# The JVM's heap: the broker of one developer's topics needs little; Flink shares the machine.
+JVM_OPTIONS = ["-Xms128m", "-Xmx1g", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true"]
 
-BROKER_ID = 1
-# The mock waits this long after the first member joins an empty group before it elects a
-# leader, so that members starting together land in one generation (Kafka's default is 3 s).
-INITIAL_REBALANCE_DELAY_MS = 500
-# Every later rebalance lasts the group's session timeout minus one second in the mock, so
-# JoinGroup session timeouts are capped (Java's default is 45 s). Heartbeats every 3 s
-# (both clients' default) keep members well inside this.
-SESSION_TIMEOUT_CAP_MS = 10_000
-# About what the mock keeps per partition before it drops the oldest records (measured; see the
-# module docstring). Whoever fills a topic with a backlog sizes its partitions by it.
-PARTITION_KEEPS_BYTES = 5 * 1024 * 1024
+# One node, so every internal topic has one replica. Group joins are not held back for late
+# members (Kafka's 3 s default suits clusters of many consumers, not a developer's machine), and
+# the internal topics get fewer partitions than the 50 a cluster uses: each costs start-up time.
+SINGLE_NODE_SETTINGS = {
+    "num.partitions": "1",
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "8",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "8",
+    "share.coordinator.state.topic.replication.factor": "1",
+    "share.coordinator.state.topic.min.isr": "1",
+    "group.initial.rebalance.delay.ms": "0",
+    # Requests of up to limits.max_instance_bytes (16 MiB) and their results fit, with room for
+    # the record batch around them.
+    "message.max.bytes": str(20 * 1024 * 1024),
+    "replica.fetch.max.bytes": str(20 * 1024 * 1024),
+}
 
-_RD_KAFKA_PRODUCER = 0
-_REQUIRED_SYMBOLS = (
-    "rd_kafka_mock_cluster_new",
-    "rd_kafka_mock_cluster_bootstraps",
-    "rd_kafka_mock_broker_set_host_port",
-    "rd_kafka_mock_set_controller_id",
-    "rd_kafka_mock_group_initial_rebalance_delay_ms",
-    "rd_kafka_mock_topic_create",
-    "rd_kafka_mock_topic_delete",
-)
+LOG4J2 = """\
+rootLogger.level = WARN
+rootLogger.appenderRef.file.ref = file
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log_file}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+# "[KafkaRaftServer nodeId=1] Kafka Server started" and the shutdown lines
+logger.server.name = kafka.server.KafkaRaftServer
+logger.server.level = INFO
+"""
 
 
-def _load_librdkafka() -> ctypes.CDLL:
-    """Load the librdkafka bundled in the confluent-kafka wheel and declare what we call."""
-    spec = importlib.util.find_spec("confluent_kafka")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("confluent-kafka is not installed; it carries the mock cluster")
-    libs_dir = Path(spec.origin).parent.parent / "confluent_kafka.libs"
-    candidates = sorted(libs_dir.glob("librdkafka*.so*"))
-    if not candidates:
-        raise RuntimeError(f"no librdkafka shared library in {libs_dir}")
-    lib = ctypes.CDLL(candidates[0])
+class BrokerError(Exception):
+    """A reason the broker cannot start, said in one line."""
 
-    lib.rd_kafka_version_str.restype = c_char_p
-    missing = [name for name in _REQUIRED_SYMBOLS if not hasattr(lib, name)]
-    if missing:
-        version = lib.rd_kafka_version_str().decode()
-        raise RuntimeError(
-            f"librdkafka {version} lacks {', '.join(missing)}; upgrade confluent-kafka"
-        )
 
-    signatures = {
-        "rd_kafka_conf_new": (c_void_p, []),
-        "rd_kafka_conf_set": (c_int, [c_void_p, c_char_p, c_char_p, c_char_p, c_size_t]),
-        "rd_kafka_new": (c_void_p, [c_int, c_void_p, c_char_p, c_size_t]),
-        "rd_kafka_destroy": (None, [c_void_p]),
-        "rd_kafka_mock_cluster_new": (c_void_p, [c_void_p, c_int]),
-        "rd_kafka_mock_cluster_destroy": (None, [c_void_p]),
-        "rd_kafka_mock_cluster_bootstraps": (c_char_p, [c_void_p]),
-        "rd_kafka_mock_broker_set_host_port": (None, [c_void_p, c_int32, c_char_p, c_int]),
-        "rd_kafka_mock_set_controller_id": (None, [c_void_p, c_int32]),
-        "rd_kafka_mock_group_initial_rebalance_delay_ms": (None, [c_void_p, c_int32]),
-        "rd_kafka_mock_topic_create": (c_int, [c_void_p, c_char_p, c_int, c_int]),
-        "rd_kafka_mock_topic_delete": (c_int, [c_void_p, c_char_p]),
+def kafka_version(libs: Path = KAFKA_LIBS) -> str:
+    """The broker's version, read from the name of its jar (kafka_2.13-<version>.jar)."""
+    jars = sorted(libs.glob("kafka_2.13-*.jar"))
+    if not jars:
+        raise BrokerError(f"no Kafka broker jars in {libs}; run scripts/setup.sh (it fetches them with Maven)")
+    return jars[0].stem.removeprefix("kafka_2.13-")
+
+
+def pick_port(host: str = LOOPBACK) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def port_taken(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def accepts(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
+
+
+def server_properties(data: Path, port: int, controller_port: int) -> dict[str, str]:
+    """A one-node KRaft broker on loopback. The controller listener gets a port of its own, chosen
+    at each start: with a static voter set its address is read from here, never from the data."""
+    return {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@{LOOPBACK}:{controller_port}",
+        "listeners": f"PLAINTEXT://{LOOPBACK}:{port},CONTROLLER://{LOOPBACK}:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(data / "log"),
+        **SINGLE_NODE_SETTINGS,
     }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-    return lib
 
 
-class MockCluster:
-    """A one-broker librdkafka mock cluster.
-
-    librdkafka only creates a mock cluster on behalf of a client handle, so an idle producer
-    handle (never connected anywhere) owns it.
-    """
-
-    def __init__(self) -> None:
-        self._lib = _load_librdkafka()
-        errstr = ctypes.create_string_buffer(512)
-        conf = self._lib.rd_kafka_conf_new()
-        # Hide the owner handle's notice that it has no bootstrap.servers.
-        self._lib.rd_kafka_conf_set(conf, b"log_level", b"4", errstr, len(errstr))
-        self._rk = self._lib.rd_kafka_new(_RD_KAFKA_PRODUCER, conf, errstr, len(errstr))
-        if not self._rk:
-            raise RuntimeError(f"rd_kafka_new failed: {errstr.value.decode()}")
-        self._cluster = self._lib.rd_kafka_mock_cluster_new(self._rk, 1)
-        if not self._cluster:
-            self._lib.rd_kafka_destroy(self._rk)
-            raise RuntimeError("rd_kafka_mock_cluster_new failed")
-        bootstraps = self._lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode()
-        host, port = bootstraps.rsplit(":", 1)
-        self.listener = (host, int(port))
-        self._lib.rd_kafka_mock_set_controller_id(self._cluster, BROKER_ID)
-        self._lib.rd_kafka_mock_group_initial_rebalance_delay_ms(
-            self._cluster, INITIAL_REBALANCE_DELAY_MS
-        )
-
-    def advertise(self, host: str, port: int) -> None:
-        """Make Metadata responses send clients to host:port (the front) instead of the mock."""
-        self._lib.rd_kafka_mock_broker_set_host_port(self._cluster, BROKER_ID, host.encode(), port)
-
-    def create_topic(self, name: str, partitions: int) -> int:
-        error = self._lib.rd_kafka_mock_topic_create(self._cluster, name.encode(), partitions, 1)
-        if error:
-            log.info("topic %s not created: Kafka error %d", name, error)
-        else:
-            log.info("topic created: %s (%d partitions)", name, partitions)
-        return error
-
-    def delete_topic(self, name: str) -> int:
-        error = self._lib.rd_kafka_mock_topic_delete(self._cluster, name.encode())
-        if error:
-            log.info("topic %s not deleted: Kafka error %d", name, error)
-        else:
-            log.info("topic deleted: %s", name)
-        return error
-
-    def close(self) -> None:
-        self._lib.rd_kafka_mock_cluster_destroy(self._cluster)
-        self._lib.rd_kafka_destroy(self._rk)
+def write_settings(data: Path, port: int) -> Path:
+    """Writes server.properties and log4j2.properties into the data folder; returns the former."""
+    data.mkdir(parents=True, exist_ok=True)
+    properties = server_properties(data, port, pick_port())
+    path = data / "server.properties"
+    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    (data / "log4j2.properties").write_text(LOG4J2.format(log_file=data / "broker.log"))
+    return path
 
 
-def _parse_topic(spec: str) -> tuple[str, int]:
-    name, sep, partitions = spec.rpartition(":")
-    if not sep or not name or not partitions.isdigit() or int(partitions) < 1:
-        raise argparse.ArgumentTypeError(f"expected NAME:PARTITIONS, got {spec!r}")
-    return name, int(partitions)
+def java_command(main_class: str, *args: str, data: Path, libs: Path = KAFKA_LIBS) -> list[str]:
+    java = shutil.which("java")
+    if java is None:
+        raise BrokerError("java not found; the local Kafka broker needs a Java 17+ runtime on PATH")
+    logging_config = f"-Dlog4j2.configurationFile={data / 'log4j2.properties'}"
+    return [java, *JVM_OPTIONS, logging_config, "-cp", f"{libs}/*", main_class, *args]
 
 
-def _loopback_host(host: str) -> str:
+def format_storage(data: Path, properties: Path) -> None:
+    """Formats an empty data folder for a new cluster (what `kafka-storage.sh format` does)."""
+    if (data / "log" / "meta.properties").exists():
+        return
+    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    command = java_command("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), data=data)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BrokerError(f"formatting {data / 'log'} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    log.info("formatted %s for the new cluster %s", data / "log", cluster_id)
+
+
+def _die_with_parent() -> None:
+    """Runs in the broker's JVM before exec: the kernel sends it SIGTERM when this process dies,
+    so a killed supervisor never leaves a broker behind holding the port and the data folder."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, data: Path, timeout_s: float) -> None:
+    """Until a Kafka client gets an answer: the port opens a little before the broker serves."""
+    deadline = time.monotonic() + timeout_s
+    host, _, port = bootstrap.rpartition(":")
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BrokerError(f"the broker exited with {process.returncode}; see {data / 'broker.log'}")
+        # A refused connection costs a Kafka client a back-off of up to a second; a socket, nothing.
+        if not accepts(host, int(port)):
+            time.sleep(0.05)
+            continue
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+        except KafkaError:
+            time.sleep(0.05)
+            continue
+        admin.close()
+        return
+    raise BrokerError(f"the broker did not serve within {timeout_s:.0f} s; see {data / 'broker.log'}")
+
+
+def create_topics(bootstrap: str, topics: list[tuple[str, int]]) -> None:
+    if not topics:
+        return
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     try:
-        loopback = ipaddress.IPv4Address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise argparse.ArgumentTypeError(
-            f"the development broker binds 127.x.x.x addresses only, got {host!r}"
-        )
-    return host
+        for name, partitions in topics:
+            try:
+                admin.create_topics([NewTopic(name, partitions, 1)])
+            except TopicAlreadyExistsError:
+                log.info("topic %s exists already; its partitions are kept", name)
+    finally:
+        admin.close()
+
+
+def start(data: Path, port: int, fresh: bool, libs: Path = KAFKA_LIBS) -> subprocess.Popen[bytes]:
+    """Starts the broker's JVM (formatting the folder first when new); returns once it serves."""
+    version = kafka_version(libs)
+    if port_taken(LOOPBACK, port):
+        raise BrokerError(f"{LOOPBACK}:{port} is in use; stop what listens there or pick --port")
+    if fresh and data.exists():
+        shutil.rmtree(data)
+        log.info("--fresh: removed %s", data)
+    properties = write_settings(data, port)
+    format_storage(data, properties)
+    command = java_command("kafka.Kafka", str(properties), data=data, libs=libs)
+    log.info("starting Apache Kafka %s (KRaft, one node), data in %s", version, data)
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    try:
+        wait_until_serving(process, f"{LOOPBACK}:{port}", data, timeout_s=60)
+    except BaseException:
+        stop(process)
+        raise
+    return process
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM is Kafka's controlled shutdown (logs flushed, clean-shutdown marker written)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            return process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the broker did not stop within %.0f s; killing it", timeout_s)
+            process.kill()
+    return process.wait()
+
+
+def _parse_topic(text: str) -> tuple[str, int]:
+    name, _, partitions = text.rpartition(":")
+    if not name or not partitions.isdigit() or int(partitions) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME:PARTITIONS (e.g. requests:3), got {text!r}")
+    return name, int(partitions)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m connectors.local_broker",
-        description="In-memory development Kafka broker (data is lost on exit).",
+        description="Apache Kafka (KRaft, one node) on 127.0.0.1 for development and tests.",
     )
+    parser.add_argument("--port", type=int, default=9092, help="port to listen on; 0 picks a free one (default 9092)")
+    parser.add_argument("--data", type=Path, default=Path("run/kafka"), help="data folder, kept across restarts (default run/kafka)")
+    parser.add_argument("--fresh", action="store_true", help="wipe the data folder before starting")
     parser.add_argument(
-        "--host", type=_loopback_host, default="127.0.0.1", help="loopback address to bind"
-    )
-    parser.add_argument(
-        "--port", type=int, default=9092, help="port to listen on; 0 picks a free one"
-    )
-    parser.add_argument(
-        "--session-timeout-cap-ms",
-        type=int,
-        default=SESSION_TIMEOUT_CAP_MS,
-        help="upper bound for consumer group session timeouts; each rebalance after a "
-        "group's first one takes this minus one second",
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG logs every request)"
-    )
-    parser.add_argument(
-        "--topic",
-        type=_parse_topic,
-        action="append",
-        default=[],
-        metavar="NAME:PARTITIONS",
-        help="topic to create at start; repeatable",
+        "--topic", type=_parse_topic, action="append", default=[], metavar="NAME:PARTITIONS",
+        help="topic to create at start when missing; repeatable",
     )
     return parser.parse_args(argv)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    """Run until SIGTERM or SIGINT; return the process exit status."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-
-    cluster = MockCluster()
-    front = KafkaFront(cluster, cluster.listener, args.session_timeout_cap_ms)
-    try:
-        bound_port = await front.start(args.host, args.port)
-    except OSError as error:
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, error)
-        cluster.close()
-        return 1
-    try:
-        cluster.advertise(args.host, bound_port)
-        for name, partitions in args.topic:
-            cluster.create_topic(name, partitions)
-        print(f"{READY_PREFIX}{args.host}:{bound_port}", flush=True)
-        await stop.wait()
-        log.info("stopping")
-    finally:
-        await front.close()
-        cluster.close()
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run the broker in the foreground; return the exit status."""
+    """Runs the broker in the foreground until SIGINT/SIGTERM; returns the exit status."""
     args = _parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return asyncio.run(_serve(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # refused connections while it starts
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request_stop)
+    began = time.monotonic()
+    port = args.port or pick_port()
+    data = args.data.resolve()
+    try:
+        process = start(data, port, args.fresh)
+        create_topics(f"{LOOPBACK}:{port}", args.topic)
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{READY_PREFIX}{LOOPBACK}:{port} in {time.monotonic() - began:.1f} s (data: {data})", flush=True)
+    while not stopping and process.poll() is None:
+        time.sleep(0.2)
+    if not stopping:
+        log.error("the broker exited by itself with %s; see %s", process.returncode, data / "broker.log")
+        return 1
+    log.info("stopping the broker")
+    code = stop(process)
+    log.info("stopped (exit %s)", code)
+    return 0
 
 
 if __name__ == "__main__":

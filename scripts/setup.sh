@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Creates .venv, installs the project, fetches the Kafka connector jars from PyPI and compiles the
-# small Java helper jar. Safe to re-run: each step is skipped when its output is up to date.
+# Creates .venv, installs the project, fetches from Maven Central the Flink Kafka connector and the
+# Apache Kafka broker's jars, and compiles the small Java helper jar. Safe to re-run: each step is
+# skipped when its output is up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 VENV=$ROOT/.venv
 JARS=$ROOT/build/jars
-# The only Flink 2.0 Kafka connector jar on PyPI: an Apache-2.0 redistribution. Installing it would
-# also drop Flink 2.0.0 core jars into the venv, so only two jars are taken out of the wheel.
-CONNECTOR_WHEEL="shigawire-apache-flink-libraries==2.0.0.post1"
+KAFKA_LIBS=$ROOT/build/kafka/libs
+# Flink's official Kafka connector for Flink 2.2, as the single "SQL" jar: it carries kafka-clients
+# 4.2.0 shaded, which is the class path PyFlink's own Kafka wrappers name.
+CONNECTOR=org.apache.flink:flink-sql-connector-kafka:5.0.0-2.2
+BROKER_POM=scripts/maven/kafka-broker.pom.xml
 
 log() { echo "[setup] $*"; }
 
@@ -17,8 +20,12 @@ need() {
   command -v "$1" >/dev/null 2>&1 || { echo "[setup] error: '$1' not found; $2" >&2; exit 1; }
 }
 need "$PYTHON" "Python >= 3.11 is required"
-need java "a Java 11+ runtime (JDK 17 recommended) is required by Flink"
-need javac "a JDK (javac) is required to build build/jars/cluster-serving-flink.jar"
+need java "a Java 17+ runtime is required by Flink and the local Kafka broker"
+need javac "a JDK 17+ (javac) is required to build build/jars/cluster-serving-flink.jar"
+need mvn "Apache Maven is required to fetch the Kafka connector and broker jars from Maven Central"
+java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/ *java.specification.version = //p')
+[ "${java_major%%.*}" -ge 17 ] 2>/dev/null \
+  || { echo "[setup] error: Java $java_major found; Kafka 4 needs Java 17 or newer" >&2; exit 1; }
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
@@ -35,29 +42,27 @@ if [ ! -f "$stamp" ]; then
 fi
 
 mkdir -p "$JARS"
-if [ ! -f "$JARS/flink-connector-kafka.jar" ] || [ ! -f "$JARS/kafka-clients.jar" ]; then
-  log "fetching the Kafka connector jars ($CONNECTOR_WHEEL)"
-  tmp=$(mktemp -d)
-  "$VENV/bin/pip" download -q --no-deps -d "$tmp" "$CONNECTOR_WHEEL"
-  "$VENV/bin/python" - "$tmp" "$JARS" <<'PY'
-import glob, sys, zipfile
-wheel, = glob.glob(f"{sys.argv[1]}/*.whl")
-with zipfile.ZipFile(wheel) as z:
-    for name in ("flink-connector-kafka.jar", "kafka-clients.jar"):
-        with open(f"{sys.argv[2]}/{name}", "wb") as out:
-            out.write(z.read(f"pyflink/lib/{name}"))
-PY
-  rm -rf "$tmp"
+if [ ! -f "$JARS/flink-sql-connector-kafka.jar" ]; then
+  log "fetching the Flink Kafka connector ($CONNECTOR) from Maven Central"
+  mvn -q -B dependency:copy -Dartifact="$CONNECTOR" -DoutputDirectory="$JARS" -Dmdep.stripVersion=true
+fi
+
+kafka_stamp=$ROOT/build/kafka/.fetched-$(sha1sum "$BROKER_POM" | cut -c1-12)
+if [ ! -f "$kafka_stamp" ]; then
+  log "fetching the Apache Kafka broker's jars ($BROKER_POM) from Maven Central"
+  rm -rf "$KAFKA_LIBS" "$ROOT"/build/kafka/.fetched-*
+  mvn -q -B -f "$BROKER_POM" dependency:copy-dependencies -DoutputDirectory="$KAFKA_LIBS" -DincludeScope=runtime
+  touch "$kafka_stamp"
 fi
 
 helper=$JARS/cluster-serving-flink.jar
-if [ ! -f "$helper" ] || [ -n "$(find connectors/java -newer "$helper" -name '*.java')" ]; then
+if [ ! -f "$helper" ] || [ -n "$(find connectors/java "$JARS/flink-sql-connector-kafka.jar" -newer "$helper")" ]; then
   log "compiling $helper"
   pyflink=$("$VENV/bin/python" -c 'import os, pyflink; print(os.path.dirname(pyflink.__file__))')
   classes=$(mktemp -d)
   javac -nowarn --release 11 -d "$classes" \
-    -cp "$pyflink/lib/*:$JARS/flink-connector-kafka.jar:$JARS/kafka-clients.jar" connectors/java/*.java
+    -cp "$pyflink/lib/*:$JARS/flink-sql-connector-kafka.jar" connectors/java/*.java
   (cd "$classes" && jar cf "$helper" .)
   rm -rf "$classes"
 fi
-log "ready: $VENV, jars in $JARS"
+log "ready: $VENV, jars in $JARS, Kafka broker in $KAFKA_LIBS"

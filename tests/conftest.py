@@ -1,4 +1,4 @@
-"""Shared fixtures: one local broker process per test session, configs with their own topics,
+"""Shared fixtures: one local Kafka broker per test session, configs with their own topics,
 and embedded jobs that are always stopped, also when a test fails."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from conf.sample_model import FEATURES, build_sample_model
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker]:
-    log_path = tmp_path_factory.mktemp("broker") / "broker.log"
-    local = LocalBroker(port=free_port(), log_path=log_path)
+    folder = tmp_path_factory.mktemp("broker")
+    local = LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log")
     local.start()
     yield local
     local.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.backpressure import partitions_for, raw_capacity, run, slow_model
+from bench.backpressure import raw_capacity, run, slow_model
 from client import InputQueue, OutputQueue, QueueFullError
 from client.processes import EmbeddedJob, write_run_config
 from conf import ServingConfig, load_config
@@ -27,8 +27,7 @@ def slow_job(tmp_path_factory: pytest.TempPathFactory, broker) -> Iterator[tuple
     folder = tmp_path_factory.mktemp("backpressure")
     model = slow_model(folder / "model.onnx", LAYERS)
     capacity = raw_capacity(model, batch_size=32)
-    partitions = partitions_for(int(FACTOR * capacity * BURST_SECONDS), minimum=4)
-    path = write_run_config(folder, model, broker.bootstrap_servers, kafka={"partitions": partitions},
+    path = write_run_config(folder, model, broker.bootstrap_servers, kafka={"partitions": 4},
                             flink={"checkpoint_interval_ms": 1000}, device="cpu")
     config = load_config(path)
     with EmbeddedJob(path, config.flink.rest_port, folder / "job.log") as job:

@@ -6,7 +6,8 @@ import org.apache.flink.api.common.typeinfo.Types;
 import org.apache.flink.connector.kafka.source.reader.deserializer.KafkaRecordDeserializationSchema;
 import org.apache.flink.types.Row;
 import org.apache.flink.util.Collector;
-import org.apache.kafka.clients.consumer.ConsumerRecord;
+// The connector jar carries kafka-clients relocated under org.apache.flink.kafka.shaded.
+import org.apache.flink.kafka.shaded.org.apache.kafka.clients.consumer.ConsumerRecord;
 
 /**
  * Emits Row(key as UTF-8 string or null, value bytes) for every Kafka record, so the job knows a
