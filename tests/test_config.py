@@ -21,7 +21,7 @@ def test_defaults_are_complete_and_valid() -> None:
     assert config.kafka.bootstrap_servers == "127.0.0.1:9092"
     assert config.device == "auto"
     assert [jar.name for jar in config.flink.pipeline_jars] == [
-        "flink-connector-kafka.jar", "kafka-clients.jar", "cluster-serving-flink.jar"
+        "flink-sql-connector-kafka.jar", "cluster-serving-flink.jar"
     ]
 
 
@@ -98,5 +98,5 @@ def test_image_settings_for_an_input_the_model_lacks(tmp_path: Path, sample_mode
 
 
 def test_missing_connector_jar(tmp_path: Path, sample_model: Path) -> None:
-    result = run_job({"model": {"path": str(sample_model)}, "flink": {"jars": ["/nowhere/flink-connector-kafka.jar"]}}, tmp_path)
-    assert_one_line_error(result, "flink.jars: jar not found: /nowhere/flink-connector-kafka.jar")
+    result = run_job({"model": {"path": str(sample_model)}, "flink": {"jars": ["/nowhere/flink-sql-connector-kafka.jar"]}}, tmp_path)
+    assert_one_line_error(result, "flink.jars: jar not found: /nowhere/flink-sql-connector-kafka.jar")
