@@ -13,20 +13,44 @@ from typing import Iterable
 from pyflink.common import Row, Types
 from pyflink.datastream import KeyedProcessFunction, KeySelector, RuntimeContext
 from pyflink.datastream.state import ListStateDescriptor, ValueStateDescriptor
+from pyflink.java_gateway import get_gateway
 
 from conf import BatchingConfig
 from connectors.kafka import KEYED_BYTES
 
 
-class BatchKey(KeySelector):
-    """Spreads requests over `slots` keys by uri, one per parallel batcher."""
+# Key groups of the keyed batcher; Flink's own default for parallelism up to 85, set explicitly so
+# that subtask_keys() computes with the number the job runs with.
+MAX_PARALLELISM = 128
 
-    def __init__(self, slots: int):
-        self.slots = slots
+
+def subtask_keys(parallelism: int, max_parallelism: int = MAX_PARALLELISM) -> list[int]:
+    """One key per parallel batcher, the i-th landing on subtask i. Flink places a key by a hash of
+    it, so the keys 0..n-1 need not reach n subtasks (with parallelism 2, keys 0 and 1 both went to
+    subtask 0 and the second batcher got nothing). Asks Flink's own assignment, through the job's
+    Java gateway, which small int lands where; PyFlink keys the stream by a one-field Row holding
+    our key (its KeyByKeySelector), so that Row is what gets placed."""
+    jvm = get_gateway().jvm
+    assign = jvm.org.apache.flink.runtime.state.KeyGroupRangeAssignment.assignKeyToParallelOperator
+    first_key_of: dict[int, int] = {}
+    key = 0
+    while len(first_key_of) < parallelism:
+        row = jvm.org.apache.flink.types.Row(1)
+        row.setField(0, key)
+        first_key_of.setdefault(assign(row, max_parallelism, parallelism), key)
+        key += 1
+    return [first_key_of[subtask] for subtask in range(parallelism)]
+
+
+class BatchKey(KeySelector):
+    """Spreads requests by uri over `keys`, one key per parallel batcher (see subtask_keys)."""
+
+    def __init__(self, keys: list[int]):
+        self.keys = keys
 
     def get_key(self, value: Row) -> int:
         uri = value[0]
-        return zlib.crc32(uri.encode()) % self.slots if uri else 0
+        return self.keys[zlib.crc32(uri.encode()) % len(self.keys) if uri else 0]
 
 
 class MicroBatcher(KeyedProcessFunction):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import tomllib
+import xml.etree.ElementTree as ET
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 
@@ -14,12 +15,16 @@ import yaml
 
 from client.cli import parser as cli_parser
 from conf import load_config
-from conf.schema import BUILD_JARS, CONNECTOR_JARS, PROJECT_ROOT
+from conf.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR, PROJECT_ROOT
+from connectors.local_broker import SINGLE_NODE_SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+FLINK_DOCKERFILE = ROOT / "docker" / "flink" / "Dockerfile"
+SETUP_SH = ROOT / "scripts" / "setup.sh"
+BROKER_POM = ROOT / "scripts" / "maven" / "kafka-broker.pom.xml"
 # Where docker/flink/Dockerfile puts the repository inside the image.
 IN_IMAGE = PurePosixPath("/opt/cluster-serving")
 CONFIG_IN_IMAGE = IN_IMAGE / "docker" / "config.yaml"
@@ -111,15 +116,89 @@ def image_references() -> list[str]:
     return images
 
 
+def pinned_flink_version() -> str:
+    """The apache-flink version that pyproject.toml pins."""
+    pins = [dep for dep in PYPROJECT["project"]["dependencies"] if dep.replace(" ", "").startswith("apache-flink==")]
+    assert len(pins) == 1, pins
+    return pins[0].split("==", 1)[1].strip()
+
+
+def local_broker_kafka_version() -> str:
+    """<kafka.version> of the local development broker's POM."""
+    root = ET.parse(BROKER_POM).getroot()
+    namespace = {"m": "http://maven.apache.org/POM/4.0.0"}
+    version = root.find("m:properties/m:kafka.version", namespace)
+    assert version is not None and version.text, f"no <kafka.version> in {BROKER_POM}"
+    return version.text.strip()
+
+
 def test_images_are_pinned_and_flink_matches_pyflink() -> None:
     images = image_references()
-    assert any(image.startswith("apache/kafka:") for image in images)
     for image in images:
         name, _, tag = image.rpartition(":")
         assert name and tag and tag != "latest" and "/" not in tag, f"unpinned image {image}"
-    pyflink = next(dep for dep in PYPROJECT["project"]["dependencies"] if dep.startswith("apache-flink=="))
     flink_tags = {image.split(":")[1] for image in images if image.startswith("flink:")}
-    assert flink_tags == {f"{pyflink.split('==')[1]}-scala_2.12-java17"}
+    assert flink_tags == {f"{pinned_flink_version()}-scala_2.12-java17"}
+    # The built image is tagged with the Flink version it runs.
+    built = {svc["image"] for svc in SERVICES.values() if "build" in svc}
+    assert built == {f"cluster-serving-flink:{pinned_flink_version()}"}
+
+
+def test_kafka_image_is_the_local_brokers_version() -> None:
+    """Compose runs the Kafka release that scripts/setup.sh fetches for the local broker."""
+    kafka_tags = {image.split(":")[1] for image in image_references() if image.startswith("apache/kafka:")}
+    assert kafka_tags == {local_broker_kafka_version()}
+    assert SERVICES["kafka"]["image"] == f"apache/kafka:{local_broker_kafka_version()}"
+
+
+def test_kafka_single_node_settings_match_the_local_broker() -> None:
+    """One node: every internal topic (offsets, transactions, share-group state) has one replica and
+    a min ISR of 1, and messages as large as the local broker takes get through."""
+    env = SERVICES["kafka"]["environment"]
+    keys = [key for key in SINGLE_NODE_SETTINGS if key.endswith((".replication.factor", ".min.isr", "max.bytes"))]
+    assert "share.coordinator.state.topic.replication.factor" in keys
+    for key in keys:
+        name = "KAFKA_" + key.upper().replace(".", "_")
+        assert name in env, f"docker-compose.yml: kafka lacks {name} (connectors/local_broker.py sets {key})"
+        assert str(env[name]) == SINGLE_NODE_SETTINGS[key], name
+
+
+def test_the_image_fetches_and_compiles_against_the_connector_of_setup_sh() -> None:
+    """Same connector artifact and jar names as scripts/setup.sh, from Maven Central (no wheel)."""
+    setup_connector = re.search(r"^CONNECTOR=(\S+)$", SETUP_SH.read_text(), re.MULTILINE)
+    assert setup_connector, "scripts/setup.sh has no CONNECTOR= line"
+    steps = instructions(FLINK_DOCKERFILE)
+    args = dict(arg.split("=", 1) for instruction, values in steps if instruction == "ARG" for arg in values)
+    assert args.get("KAFKA_CONNECTOR") == setup_connector.group(1)
+    runs = [" ".join(values) for instruction, values in steps if instruction == "RUN"]
+    fetch = [run for run in runs if "dependency:copy" in run]
+    assert len(fetch) == 1, fetch
+    assert '-Dartifact="${KAFKA_CONNECTOR}"' in fetch[0] and "-Dmdep.stripVersion=true" in fetch[0]
+    # stripVersion: the jar is named <artifactId>.jar, which must be the jar conf/schema.py names.
+    artifact_id = setup_connector.group(1).split(":")[1]
+    assert (f"{artifact_id}.jar",) == CONNECTOR_JARS
+    javac = [run for run in runs if "javac" in run]
+    assert len(javac) == 1, javac
+    classpath = re.search(r'-cp "([^"]+)"', javac[0]).group(1).split(":")
+    assert classpath == ["/flink-lib/*", *(f"jars/{jar}" for jar in CONNECTOR_JARS)]
+    assert f"jars/{HELPER_JAR}" in " ".join(runs)
+    text = FLINK_DOCKERFILE.read_text().lower()
+    for stale in ("shigawire", "pip3 download", "flink-connector-kafka.jar", "kafka-clients.jar"):
+        assert stale not in text, f"docker/flink/Dockerfile still mentions {stale}"
+
+
+def test_the_image_python_satisfies_requires_python() -> None:
+    venv = re.search(r"python3\.(\d+) -m venv ", FLINK_DOCKERFILE.read_text())
+    assert venv, "docker/flink/Dockerfile creates no venv with a versioned python3.X"
+    minimum = re.fullmatch(r">=\s*3\.(\d+)", PYPROJECT["project"]["requires-python"].strip())
+    assert minimum and int(venv.group(1)) >= int(minimum.group(1))
+
+
+def test_services_run_as_the_flink_user() -> None:
+    """Flink 2.2's image no longer steps down from root in its entrypoint: the image's last USER
+    is what every service runs as."""
+    users = [values[0] for instruction, values in instructions(FLINK_DOCKERFILE) if instruction == "USER"]
+    assert users and users[-1] == "flink"
 
 
 def test_flink_properties_name_the_jobmanager_and_the_image_venv() -> None:
