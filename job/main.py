@@ -217,7 +217,7 @@ def stop_with_savepoint(client: JobClient, folder: Path) -> None:
     """Stops the job the way Flink stops cleanly: a final savepoint, after which the sink has
     flushed every result and the next start resumes exactly there; cancels if that fails."""
     log.info("stopping job %s with a final savepoint", client.get_job_id())
-    # PyFlink 2.0's JobClient.stop_with_savepoint calls a Java signature Flink 2.0 no longer has
+    # PyFlink's JobClient.stop_with_savepoint (still in 2.2.1) calls a Java signature Flink 2 no longer has
     # (it needs the savepoint format), so the Java client is called directly.
     format_type = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
     try:
