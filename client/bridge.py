@@ -23,7 +23,7 @@ from client.instances import encode_request
 from client.model_info import read_signature
 from client.operations import flink_job
 from client.result_waiter import ResultWaiter
-from conf import JOB_NAME, ConfigError, ServingConfig
+from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
 from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
 from connectors.codec import Message
 
@@ -83,7 +83,7 @@ class Bridge:
         self.producer = KafkaProducer(
             bootstrap_servers=kafka.bootstrap_servers, linger_ms=1, acks="all",
             # The producer's 1 MiB default would refuse large instances before the job could.
-            max_request_size=self.config.limits.max_instance_bytes + 65536,
+            max_request_size=KAFKA_RECORD_BYTES,
             **properties,
         )
         self.waiter = ResultWaiter(

@@ -21,6 +21,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from client.instances import encode_request
+from conf import KAFKA_RECORD_BYTES
 from connectors.admin import READ_COMMITTED, LagProbe
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, DecodeError, Message, decode_message
 
@@ -31,10 +32,6 @@ DEFAULT_INPUT_TOPIC = "serving_stream"
 DEFAULT_RESULT_TOPIC = "serving_result"
 DEFAULT_CLIENT_GROUP = "cluster-serving-client"
 DEFAULT_JOB_GROUP = "cluster-serving"  # the job's kafka.group_id default
-MAX_RESULT_BYTES = 256 * 1024 * 1024
-# The producer's own record limit (kafka-python's default is 1 MiB): the job's default
-# limits.max_instance_bytes plus room for the message's framing.
-MAX_REQUEST_BYTES = 16 * 1024 * 1024 + 65536
 PROGRESS_EVERY_S = 1.0
 # The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
 LAG_CHECK_EVERY_S = 0.5
@@ -85,7 +82,7 @@ class InputQueue:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._producer = None if sync else KafkaProducer(
             bootstrap_servers=bootstrap_servers, linger_ms=5, acks="all",
-            **{"max_request_size": MAX_REQUEST_BYTES, **kafka},
+            **{"max_request_size": KAFKA_RECORD_BYTES, **kafka},
         )
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
@@ -292,7 +289,7 @@ class OutputQueue:
             for record in records:
                 count += 1
                 try:
-                    message = decode_message(record.value or b"", MAX_RESULT_BYTES)
+                    message = decode_message(record.value or b"", KAFKA_RECORD_BYTES)
                 except DecodeError as exc:
                     log.warning("unreadable result at offset %d skipped: %s", record.offset, exc)
                     continue

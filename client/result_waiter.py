@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from kafka import KafkaConsumer, TopicPartition
 
-from client.queues import MAX_RESULT_BYTES
+from conf import KAFKA_RECORD_BYTES
 from connectors.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class ResultWaiter:
         if not uri.startswith(self.uri_prefix):
             return
         try:
-            message = decode_message(value or b"", MAX_RESULT_BYTES)
+            message = decode_message(value or b"", KAFKA_RECORD_BYTES)
         except DecodeError as exc:
             message = Message(uri, error=f"unreadable result: {exc}")
         assert self._loop is not None

@@ -3,6 +3,7 @@
 from conf.schema import (
     DEFAULT_CONFIG_PATH,
     JOB_NAME,
+    KAFKA_RECORD_BYTES,
     BatchingConfig,
     ConfigError,
     FlinkConfig,
@@ -21,6 +22,7 @@ from conf.schema import (
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "JOB_NAME",
+    "KAFKA_RECORD_BYTES",
     "BatchingConfig",
     "ConfigError",
     "FlinkConfig",

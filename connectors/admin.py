@@ -11,7 +11,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from conf import ConfigError, KafkaConfig
+from conf import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,10 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
     try:
         existing = set(admin.list_topics())
         wanted = [kafka.input_topic, kafka.result_topic]
-        missing = [NewTopic(topic, kafka.partitions, 1) for topic in wanted if topic not in existing]
+        # Records up to KAFKA_RECORD_BYTES, whatever the broker's own default (Kafka's is 1 MiB).
+        topic_configs = {"max.message.bytes": str(KAFKA_RECORD_BYTES)}
+        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs=topic_configs)
+                   for topic in wanted if topic not in existing]
         if missing:
             try:
                 admin.create_topics(missing)

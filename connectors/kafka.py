@@ -18,7 +18,7 @@ from pyflink.datastream.connectors.kafka import (
 )
 from pyflink.java_gateway import get_gateway
 
-from conf import KafkaConfig
+from conf import KAFKA_RECORD_BYTES, KafkaConfig
 
 # Row(uri, payload): the element type at both ends of the job.
 KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
@@ -26,7 +26,9 @@ KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITI
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).
 SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000"}
 # Send results at once instead of waiting to fill a batch; the load is already micro-batched.
-SINK_PROPERTIES = {"linger.ms": "1"}
+# Results up to the project's record limit (the producer's own default is 1 MiB); job/encode.py
+# turns a larger one into an error result, so the sink never meets a record it must refuse.
+SINK_PROPERTIES = {"linger.ms": "1", "max.request.size": str(KAFKA_RECORD_BYTES)}
 
 
 def request_source(kafka: KafkaConfig) -> KafkaSource:

@@ -39,6 +39,8 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from conf import KAFKA_RECORD_BYTES
+
 log = logging.getLogger("connectors.local_broker")
 
 READY_PREFIX = "local Kafka broker ready on "
@@ -60,10 +62,9 @@ SINGLE_NODE_SETTINGS = {
     "share.coordinator.state.topic.replication.factor": "1",
     "share.coordinator.state.topic.min.isr": "1",
     "group.initial.rebalance.delay.ms": "0",
-    # Requests of up to limits.max_instance_bytes (16 MiB) and their results fit, with room for
-    # the record batch around them.
-    "message.max.bytes": str(20 * 1024 * 1024),
-    "replica.fetch.max.bytes": str(20 * 1024 * 1024),
+    # The project's one record limit (conf.KAFKA_RECORD_BYTES) instead of Kafka's 1 MiB.
+    "message.max.bytes": str(KAFKA_RECORD_BYTES),
+    "replica.fetch.max.bytes": str(KAFKA_RECORD_BYTES),
 }
 
 LOG4J2 = """\

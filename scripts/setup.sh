@@ -16,6 +16,19 @@ BROKER_POM=scripts/maven/kafka-broker.pom.xml
 
 log() { echo "[setup] $*"; }
 
+# Maven, quiet: even with -q it writes colour resets; its output is shown only when it fails.
+maven() {
+  local out
+  out=$(mktemp)
+  if ! mvn -q -B "$@" >"$out" 2>&1; then
+    cat "$out" >&2
+    rm -f "$out"
+    echo "[setup] error: mvn $* failed (its output is above)" >&2
+    exit 1
+  fi
+  rm -f "$out"
+}
+
 need() {
   command -v "$1" >/dev/null 2>&1 || { echo "[setup] error: '$1' not found; $2" >&2; exit 1; }
 }
@@ -44,14 +57,14 @@ fi
 mkdir -p "$JARS"
 if [ ! -f "$JARS/flink-sql-connector-kafka.jar" ]; then
   log "fetching the Flink Kafka connector ($CONNECTOR) from Maven Central"
-  mvn -q -B dependency:copy -Dartifact="$CONNECTOR" -DoutputDirectory="$JARS" -Dmdep.stripVersion=true
+  maven dependency:copy -Dartifact="$CONNECTOR" -DoutputDirectory="$JARS" -Dmdep.stripVersion=true
 fi
 
 kafka_stamp=$ROOT/build/kafka/.fetched-$(sha1sum "$BROKER_POM" | cut -c1-12)
 if [ ! -f "$kafka_stamp" ]; then
   log "fetching the Apache Kafka broker's jars ($BROKER_POM) from Maven Central"
   rm -rf "$KAFKA_LIBS" "$ROOT"/build/kafka/.fetched-*
-  mvn -q -B -f "$BROKER_POM" dependency:copy-dependencies -DoutputDirectory="$KAFKA_LIBS" -DincludeScope=runtime
+  maven -f "$BROKER_POM" dependency:copy-dependencies -DoutputDirectory="$KAFKA_LIBS" -DincludeScope=runtime
   touch "$kafka_stamp"
 fi
 
