@@ -11,23 +11,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from client.bridge import Bridge
-from client.http_json import RequestError, instance_inputs, prediction, v2_instances, v2_outputs
+from client.bridge_metrics import BridgeMetrics
+from client.http_json import RequestError, instance_inputs, prediction, strict_json, v2_instances, v2_outputs
 from conf import ConfigError, load_config
+from connectors.codec import MAX_RANK
 
 log = logging.getLogger("cluster_serving.bridge")
 READY_LINE = "http bridge listening on "
@@ -49,7 +57,7 @@ class PredictResponse(BaseModel):
 
 class InferTensor(BaseModel):
     name: str
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: list[Annotated[int, Field(ge=0, strict=True)]] = Field(max_length=MAX_RANK)
     datatype: str
     data: list[Any]
     parameters: dict[str, Any] | None = None
@@ -136,13 +144,72 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+class StrictJsonRequest(Request):
+    """A request whose body is read as strict JSON (see `strict_json`)."""
+
+    async def json(self) -> Any:
+        return strict_json(await self.body())
+
+
+class StrictJsonRoute(APIRoute):
+    """FastAPI's route with a `StrictJsonRequest`: FastAPI's documented way to change how a body
+    is read, as its own reading is Starlette's `json.loads`, which takes NaN and Infinity."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict_handler(request: Request) -> Response:
+            return await handler(StrictJsonRequest(request.scope, request.receive))
+
+        return strict_handler
+
+
+class CountResponses:
+    """Counts every response by status. It wraps the whole FastAPI app: FastAPI's outermost
+    ServerErrorMiddleware sends the 500 of an unexpected exception past any middleware added
+    to the app, so one added there would miss it."""
+
+    def __init__(self, app: ASGIApp, metrics: BridgeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def json_error_protocol(metrics: BridgeMetrics) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a malformed request line,
+    header or Content-Length), before any app sees it, in the bridge's JSON error shape and counted
+    like every other response; uvicorn's own answer is plain text."""
+
+    class JsonErrorProtocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn calls this in its `except h11.RemoteProtocolError:`, whose reason says more.
+            reason = sys.exc_info()[1]
+            message = f"malformed HTTP request: {reason}" if isinstance(reason, h11.RemoteProtocolError) else msg
+            body = json.dumps({"error": message}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+            for event in (response, h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+            metrics.count_response(400)
+
+    return JsonErrorProtocol
+
+
 def error_response(status: int, message: str) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(bridge: Bridge) -> FastAPI:
-    """The routes over a started `bridge` (see `run_bridge`)."""
+def create_app(bridge: Bridge) -> ASGIApp:
+    """The routes over a started `bridge` (see `run_bridge`), every response counted."""
     app = FastAPI(
         title="cluster-serving HTTP bridge",
         version="1",
@@ -150,13 +217,14 @@ def create_app(bridge: Bridge) -> FastAPI:
         docs_url=None,  # the interactive pages load scripts from a CDN
         redoc_url=None,
     )
+    app.router.route_class = StrictJsonRoute
     app.add_middleware(JsonBodies)
     app.add_middleware(BodyLimit, max_bytes=bridge.config.http.max_body_bytes)
     add_error_handlers(app)
-    add_request_hooks(app, bridge)
+    add_authorization(app, bridge)
     add_routes(app, bridge)
     drop_unused_422(app)
-    return app
+    return CountResponses(app, bridge.metrics)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -183,18 +251,14 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def add_request_hooks(app: FastAPI, bridge: Bridge) -> None:
+def add_authorization(app: FastAPI, bridge: Bridge) -> None:
     @app.middleware("http")
-    async def authorize_and_count(request: Request, call_next: Any) -> Any:
+    async def authorize(request: Request, call_next: Any) -> Any:
         if bridge.token and not request.url.path.startswith(OPEN_ROUTES):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {bridge.token}".encode()):
-                response = error_response(401, "missing or wrong bearer token")
-                bridge.metrics.count_response(401)
-                return response
-        response = await call_next(request)
-        bridge.metrics.count_response(response.status_code)
-        return response
+                return error_response(401, "missing or wrong bearer token")
+        return await call_next(request)
 
 
 def add_routes(app: FastAPI, bridge: Bridge) -> None:
@@ -292,9 +356,10 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         check_model(model_name)
         bridge.admit()
         with bridge.metrics.request.time():
-            instances = v2_instances([tensor.model_dump() for tensor in body.inputs], bridge.signature)
-            if len(instances) > bridge.config.http.max_instances:
-                raise RequestError(f"batch of {len(instances)}, over the limit of {bridge.config.http.max_instances}", 413)
+            instances = v2_instances(
+                [tensor.model_dump() for tensor in body.inputs], bridge.signature,
+                bridge.config.http.max_instances, bridge.config.limits.max_instance_bytes,
+            )
             results = await bridge.infer(instances)
         wanted = [output.name for output in body.outputs] if body.outputs else None
         outputs = v2_outputs(results, bridge.signature.batched, wanted)
@@ -345,6 +410,13 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
+def server_config(bridge: Bridge) -> uvicorn.Config:
+    """uvicorn serving the bridge's routes, with the protocol that answers unparsable requests."""
+    return uvicorn.Config(
+        create_app(bridge), http=json_error_protocol(bridge.metrics), log_level="warning", access_log=False, lifespan="off"
+    )
+
+
 async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
     """Connects to Kafka first, so the ready line means requests can be enqueued and answered."""
     await bridge.start()
@@ -353,9 +425,7 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
     try:
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(bridge), log_level="warning", access_log=False, lifespan="off")
-        )
+        server = uvicorn.Server(server_config(bridge))
         host, port = listener.getsockname()[:2]
         log.info("%shttp://%s:%d (model %r)", READY_LINE, host, port, bridge.model_name)
         await server.serve(sockets=[listener])

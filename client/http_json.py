@@ -2,14 +2,17 @@
 (open inference protocol) tensors, both ways.
 
 JSON numbers carry no dtype, so dense values are typed from the model's signature; a value that
-would change meaning on the way (a fraction for an integer input, an integer out of range, a
-number for a string input) is refused instead of silently converted.
+would change meaning on the way (a fraction for an integer input, a number out of the dtype's
+range, a number for a string input, NaN or an infinity) is refused instead of silently converted.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -24,6 +27,16 @@ class RequestError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+def strict_json(body: bytes) -> Any:
+    """The body as JSON, without Python's extensions: NaN and +-Infinity are not JSON, and read
+    as numbers they would reach the model as non-finite values."""
+    return json.loads(body, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> NoReturn:
+    raise json.JSONDecodeError(f"{constant} is not a JSON value", "", 0)
 
 
 def instance_inputs(instance: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> dict[str, Any]:
@@ -78,9 +91,16 @@ def dense_array(name: str, value: Any, dtype: np.dtype | None) -> np.ndarray:
         return array
     if array.dtype.kind == "O":
         raise RequestError(f"input {name!r}: values must be all numbers, all booleans or all strings")
-    if dtype is None or array.size == 0 and dtype.kind != "O":
-        return array if dtype is None else array.astype(dtype)
-    return _typed(name, array, dtype)
+    if dtype is None:
+        typed = array
+    elif array.size == 0 and dtype.kind != "O":
+        typed = array.astype(dtype)  # an empty list has no values to check
+    else:
+        typed = _typed(name, array, dtype)
+    # Strict JSON has no NaN or infinities: a non-finite float overflowed (1e39 in float32, 1e999).
+    if typed.dtype.kind == "f" and not np.all(np.isfinite(typed)):
+        raise RequestError(f"input {name!r}: values outside the range of {typed.dtype.name}")
+    return typed
 
 
 def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -89,37 +109,98 @@ def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         raise RequestError(f"input {name!r}: expects strings, got {array.dtype.name} values")
     if (got == "b") != (dtype.kind == "b"):
         raise RequestError(f"input {name!r}: expects {dtype.name}, got {'booleans' if got == 'b' else 'numbers'}")
-    if got == "f" and dtype.kind in "iu":
-        if not np.all(np.isfinite(array)) or np.any(array != np.round(array)):
-            raise RequestError(f"input {name!r}: expects {dtype.name}, got fractional values")
+    if got == "f" and dtype.kind in "iu" and np.any(array != np.round(array)):
+        raise RequestError(f"input {name!r}: expects {dtype.name}, got fractional values")
     if dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype)
         if array.min() < info.min or array.max() > info.max:
             raise RequestError(f"input {name!r}: values outside the range of {dtype.name}")
-    return array.astype(dtype)
+    with np.errstate(over="ignore"):  # a float overflow becomes inf, which dense_array refuses
+        return array.astype(dtype)
 
 
-def v2_instances(inputs: list[dict], signature: ModelSignature) -> list[dict[str, np.ndarray]]:
+@dataclass(frozen=True)
+class V2Tensor:
+    """One v2 input whose shape, datatype and data were checked against each other."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    data: list[Any]
+
+
+def v2_instances(
+    inputs: list[dict], signature: ModelSignature, max_instances: int, max_instance_bytes: int
+) -> list[dict[str, np.ndarray]]:
     """KServe v2 `inputs` -> one instance per row of the batch dimension (a single instance when
-    the model takes no batch dimension, as the job then runs instances one by one)."""
-    tensors: dict[str, np.ndarray] = {}
-    for tensor in inputs:
-        name, shape, datatype = tensor["name"], tuple(tensor["shape"]), tensor["datatype"]
-        if datatype not in NUMPY_DTYPES:
-            raise RequestError(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(NUMPY_DTYPES)})")
-        if name in tensors:
-            raise RequestError(f"input {name!r} given twice")
-        array = dense_array(name, tensor["data"], NUMPY_DTYPES[datatype])
-        if array.size != math.prod(shape):
-            raise RequestError(f"input {name!r}: {array.size} values do not fill shape {list(shape)}")
-        tensors[name] = array.reshape(shape)
+    the model takes no batch dimension, as the job then runs instances one by one). A shape is
+    only a claim: it is checked against the data, the batch and the size limits before any array
+    is built from it."""
+    tensors = [_v2_tensor(tensor, signature) for tensor in inputs]
+    twice = [name for name, count in Counter(tensor.name for tensor in tensors).items() if count > 1]
+    if twice:
+        raise RequestError(f"input {twice[0]!r} given twice")
+    count = _v2_batch(tensors, signature.batched, max_instances)
+    instance_bytes = sum(math.prod(tensor.shape) * tensor.dtype.itemsize for tensor in tensors) // count
+    if instance_bytes > max_instance_bytes:  # strings counted as pointers: a lower bound
+        raise RequestError(f"{instance_bytes} bytes of values per instance, over the limit of {max_instance_bytes}", 413)
+    arrays = {tensor.name: dense_array(tensor.name, tensor.data, tensor.dtype).reshape(tensor.shape) for tensor in tensors}
     if not signature.batched:
-        return [tensors]
-    rows = {array.shape[0] if array.ndim else None for array in tensors.values()}
-    if len(rows) != 1 or None in rows:
+        return [arrays]
+    return [{name: array[i] for name, array in arrays.items()} for i in range(count)]
+
+
+def _v2_tensor(tensor: dict, signature: ModelSignature) -> V2Tensor:
+    """Checks the datatype, and that the data, flat in row-major order or nested as the shape,
+    fill the shape."""
+    name, shape, data = tensor["name"], tuple(tensor["shape"]), tensor["data"]
+    dtype = _v2_dtype(name, tensor["datatype"], signature)
+    if not any(isinstance(item, list) for item in data):
+        if len(data) != math.prod(shape):
+            raise RequestError(f"input {name!r}: {len(data)} values do not fill shape {list(shape)}")
+    elif not _nested_as(data, shape):
+        raise RequestError(f"input {name!r}: nested data do not have shape {list(shape)}")
+    return V2Tensor(name, shape, dtype, data)
+
+
+def _nested_as(data: Any, shape: tuple[int, ...]) -> bool:
+    if not shape:
+        return not isinstance(data, list)
+    return isinstance(data, list) and len(data) == shape[0] and all(_nested_as(item, shape[1:]) for item in data)
+
+
+def _v2_dtype(name: str, datatype: str, signature: ModelSignature) -> np.dtype:
+    """The dtype to type the data as: the model's for an input it has, so values are checked
+    against the range the model takes. A datatype of another kind is refused: the job casts
+    INT32 or BOOL to FP32 without a word."""
+    if datatype not in NUMPY_DTYPES:
+        raise RequestError(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(NUMPY_DTYPES)})")
+    declared, info = NUMPY_DTYPES[datatype], signature.input(name)
+    if info is None:
+        return declared  # the job names the unknown input
+    if _kind(declared) != _kind(info.dtype):
+        raise RequestError(f"input {name!r}: expects {info.datatype}, got {datatype}")
+    return info.dtype
+
+
+def _kind(dtype: np.dtype) -> str:
+    """numpy's kind, signed and unsigned integers as one: values are range-checked anyway."""
+    return "i" if dtype.kind == "u" else dtype.kind
+
+
+def _v2_batch(tensors: list[V2Tensor], batched: bool, max_instances: int) -> int:
+    """The number of instances: the inputs' common first dimension, 1 to `max_instances`."""
+    if not batched:
+        return 1
+    leading = {tensor.shape[:1] for tensor in tensors}
+    if len(leading) != 1 or () in leading:
         raise RequestError("every input needs the same leading batch dimension")
-    count = rows.pop()
-    return [{name: array[i] for name, array in tensors.items()} for i in range(count)]
+    (count,) = leading.pop()
+    if count < 1:
+        raise RequestError("the batch dimension is 0: a request needs at least one instance")
+    if count > max_instances:
+        raise RequestError(f"batch of {count}, over the limit of {max_instances}", 413)
+    return count
 
 
 def json_values(array: np.ndarray) -> Any:

@@ -123,6 +123,14 @@ def test_model_and_health_routes(stack: Stack) -> None:
     assert status == 200 and "/v2/models/{model_name}/infer" in openapi["paths"]
 
 
+INFER = "/v2/models/model/infer"
+OUT_OF_FLOAT32 = "input 'features': values outside the range of float32"
+
+
+def v2_body(shape: list, data: list, datatype: str = "FP32") -> dict:
+    return {"inputs": [{"name": "features", "shape": shape, "datatype": datatype, "data": data}]}
+
+
 @pytest.mark.parametrize(
     ("route", "body", "status", "message"),
     [
@@ -140,12 +148,56 @@ def test_model_and_health_routes(stack: Stack) -> None:
          400, "1 values do not fill shape [2, 16]"),
         ("/v2/models/model/infer", {"inputs": [{"name": "features", "shape": [1, FEATURES], "datatype": "FP99", "data": [1.0] * FEATURES}]},
          400, "unknown datatype 'FP99'"),
+        # Strict JSON numbers: NaN and infinities are not JSON; values must fit the input's dtype.
+        ("/predict", '{"instances": [{"features": [NaN]}]}', 400, "body is not valid JSON: NaN is not a JSON value"),
+        ("/predict", '{"instances": [{"features": [-Infinity]}]}', 400, "body is not valid JSON: -Infinity is not"),
+        (INFER, '{"inputs": [{"name": "features", "shape": [1], "datatype": "FP32", "data": [Infinity]}]}',
+         400, "body is not valid JSON: Infinity is not a JSON value"),
+        ("/predict", {"instances": [{"features": [1e39] * FEATURES}]}, 400, f"instance 0: {OUT_OF_FLOAT32}"),
+        ("/predict", '{"instances": [{"features": [1e999]}]}', 400, f"instance 0: {OUT_OF_FLOAT32}"),
+        ("/predict", {"instances": [{"features": [True] * FEATURES}]}, 400, "instance 0: input 'features': expects float32, got booleans"),
+        (INFER, v2_body([1, FEATURES], [1e39] * FEATURES), 400, OUT_OF_FLOAT32),
+        # v2 shapes checked before any array is built; datatypes of another kind refused.
+        (INFER, v2_body([1] * 66, [1.0]), 400, "inputs.0.shape: List should have at most 16 items"),
+        (INFER, v2_body(["1", "16"], [1.0] * FEATURES), 400, "inputs.0.shape.0: Input should be a valid integer"),
+        (INFER, v2_body([0, 2], []), 400, "the batch dimension is 0"),
+        (INFER, v2_body([1025, FEATURES], [0.5] * 1025 * FEATURES), 413, "batch of 1025, over the limit of 1024"),
+        (INFER, v2_body([2, FEATURES], [[0.5] * FEATURES]), 400, "nested data do not have shape [2, 16]"),
+        (INFER, v2_body([1, FEATURES], [1] * FEATURES, "INT32"), 400, "input 'features': expects FP32, got INT32"),
+        (INFER, v2_body([1, FEATURES], [True] * FEATURES, "BOOL"), 400, "input 'features': expects FP32, got BOOL"),
+        (INFER, v2_body([1, FEATURES], [1] * FEATURES, "UINT64"), 400, "input 'features': expects FP32, got UINT64"),
     ],
 )
 def test_errors_are_json_with_the_right_status(stack: Stack, route: str, body: object, status: int, message: str) -> None:
     got_status, got = http_call(f"{stack.url}{route}", body)
     assert got_status == status, got
     assert list(got) == ["error"] and message in got["error"], got
+
+
+def test_v2_casts_within_a_kind_and_takes_nested_data(stack: Stack) -> None:
+    rows = features(2, seed=5)
+    status, body = http_call(f"{stack.url}{INFER}", v2_body([2, FEATURES], rows.astype(np.float64).tolist(), "FP64"))
+    assert status == 200, body
+    np.testing.assert_allclose(np.array(body["outputs"][0]["data"]).reshape(2, 10), stack.expected(rows), atol=1e-5)
+
+
+def test_unparsable_requests_get_a_counted_json_400(stack: Stack) -> None:
+    """Requests uvicorn's HTTP parser refuses before the app sees them."""
+    before = metric(stack.url, "cluster_serving.http.responses.400")["count"]
+    host, port = stack.url.removeprefix("http://").split(":")
+    for headers, reason in [
+        (b"Content-Length: abc\r\n", "bad Content-Length"),
+        (b"Content-Length: 2\r\nContent-Length: 3\r\n", "conflicting Content-Length headers"),
+    ]:
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /predict HTTP/1.1\r\nHost: bridge\r\n" + headers + b"\r\n{}")
+            answer = b""
+            while chunk := connection.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
+        assert json.loads(body) == {"error": f"malformed HTTP request: {reason}"}
+    assert metric(stack.url, "cluster_serving.http.responses.400")["count"] == before + 2
 
 
 def test_size_rate_and_token_guards(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
