@@ -26,7 +26,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.run import ResultReader, enqueue_all, percentiles, raw_onnxruntime
-from client.processes import EmbeddedJob, LocalBroker, free_port, process_group_members, write_run_config
+from client.processes import EmbeddedJob, LocalBroker, free_port, group_rss_mb, write_run_config
 from conf import ServingConfig, load_config
 from conf.sample_model import FEATURES, IR_VERSION, OPSET
 from connectors.admin import LagProbe, ensure_topics
@@ -63,18 +63,6 @@ def slow_model(path: Path, layers: int) -> Path:
 def raw_capacity(model: Path, batch_size: int) -> float:
     """Requests per second of a plain CPU InferenceSession fed full batches (the job runs on CPU)."""
     return raw_onnxruntime(ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]), batch_size)
-
-
-def group_rss_mb(pgid: int) -> float:
-    """Resident memory of every process in the group (the job's Python and its Flink JVM)."""
-    total_kb = 0
-    for pid in process_group_members(pgid):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total_kb / 1024
 
 
 class Sampler(threading.Thread):

@@ -44,6 +44,18 @@ def process_group_members(pgid: int) -> set[int]:
     return members
 
 
+def group_rss_mb(pgid: int) -> float:
+    """Resident memory of every process in the group (the job's Python and its Flink JVM)."""
+    total_kb = 0
+    for pid in process_group_members(pgid):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return total_kb / 1024
+
+
 _PORTS_HANDED_OUT: set[int] = set()
 
 

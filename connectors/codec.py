@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,12 +191,15 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     """Parses and validates a message; every problem raises DecodeError with a readable reason."""
     if len(payload) > max_bytes:
         raise DecodeError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
+    schema, batch = _read_stream(payload, max_bytes)
     try:
-        with pa.ipc.open_stream(pa.py_buffer(payload)) as reader:
-            batches = list(reader)
-        schema = reader.schema
-    except (pa.ArrowException, ValueError, OSError) as exc:
-        raise DecodeError(f"not a cluster-serving message: {exc}") from None
+        return _message(schema, batch, max_bytes)
+    except UnicodeDecodeError:  # pyarrow decodes field names as it meets them, and they may be any bytes
+        raise DecodeError("not a cluster-serving message: a name in its schema is not UTF-8") from None
+
+
+def _message(schema: pa.Schema, batch: pa.RecordBatch, max_bytes: int) -> Message:
+    """The message a schema and its record batch hold, once checked."""
     metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (schema.metadata or {}).items()}
     version = metadata.get("cs.version")
     if version != FORMAT_VERSION:
@@ -203,18 +207,19 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     uri = metadata.get("cs.uri", "")
     if not uri or len(uri) > MAX_URI_CHARS:
         raise DecodeError("missing or over-long uri")
-    if len(batches) != 1 or (batches[0].num_columns and batches[0].num_rows != 1):
+    if batch.num_columns and batch.num_rows != 1:
         raise DecodeError("a message must hold exactly one row")  # error results have no columns
-    if batches[0].num_columns > MAX_TENSORS:
+    if batch.num_columns > MAX_TENSORS:
         raise DecodeError(f"more than {MAX_TENSORS} tensors")
+    names = schema.names
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise DecodeError(f"tensor {duplicate!r} appears more than once")
     try:
-        batches[0].validate(full=True)
+        batch.validate(full=True)
     except pa.ArrowException as exc:
         raise DecodeError(f"corrupt message: {exc}") from None
-    tensors = {
-        schema.field(i).name: _decode_value(schema.field(i), batches[0].column(i), max_bytes)
-        for i in range(batches[0].num_columns)
-    }
+    tensors = {name: _decode_value(schema.field(i), batch.column(i), max_bytes) for i, name in enumerate(names)}
     return Message(
         uri=uri,
         tensors=tensors,
@@ -225,9 +230,86 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     )
 
 
+def _read_stream(payload: bytes, max_bytes: int) -> tuple[pa.Schema, pa.RecordBatch]:
+    """The stream's schema and its one record batch, read message by message so that nothing is
+    inflated before it is checked: pa.ipc.open_stream would decompress an LZ4/ZSTD body (a few KB
+    on the wire, any size once inflated) first. Our encoder never compresses, and the format has
+    no dictionaries."""
+    try:
+        messages = list(pa.ipc.MessageReader.open_stream(pa.py_buffer(payload)))
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise DecodeError(f"not a cluster-serving message: {exc}") from None
+    if [message.type for message in messages] != ["schema", "record batch"]:
+        kinds = ", ".join(message.type for message in messages) or "nothing"
+        raise DecodeError(f"not a cluster-serving message: a schema and one record batch expected, got {kinds}")
+    compressed, buffer_bytes = _batch_layout(messages[1].metadata.to_pybytes())
+    if compressed:
+        raise DecodeError("compressed record batches are not part of the format")
+    if buffer_bytes > max_bytes:  # buffers may overlap on the wire: the same bytes, seen many times
+        raise DecodeError(f"{buffer_bytes} bytes once decoded, over the limit of {max_bytes}")
+    try:
+        schema = pa.ipc.read_schema(messages[0])
+        return schema, pa.ipc.read_record_batch(messages[1], schema)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise DecodeError(f"not a cluster-serving message: {exc}") from None
+
+
+# IPC metadata is a flatbuffer (Arrow's format/Message.fbs), and pyarrow says neither whether a
+# batch is compressed nor how many bytes its buffers add up to, so _batch_layout reads just that.
+MESSAGE_HEADER_FIELD = 2  # Message.header: here the RecordBatch table
+RECORD_BATCH_BUFFERS_FIELD = 2  # RecordBatch.buffers: [Buffer {offset: int64, length: int64}]
+RECORD_BATCH_COMPRESSION_FIELD = 3  # RecordBatch.compression: absent unless the body is compressed
+_U16, _U32, _I32 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<i")
+
+
+def _batch_layout(metadata: bytes) -> tuple[bool, int]:
+    """Whether a record batch message declares a compressed body, and how many bytes its buffers
+    take once read (each buffer counted, overlapping ones too: they are the same bytes seen twice,
+    and copied twice later)."""
+    header = _field(metadata, _table(metadata, 0), MESSAGE_HEADER_FIELD)  # the root table first
+    if header is None:
+        return False, 0  # no RecordBatch at all: pa.ipc.read_record_batch refuses it
+    batch = _table(metadata, header)
+    buffers = _field(metadata, batch, RECORD_BATCH_BUFFERS_FIELD)
+    compressed = _field(metadata, batch, RECORD_BATCH_COMPRESSION_FIELD) is not None
+    return compressed, 0 if buffers is None else _buffer_bytes(metadata, _table(metadata, buffers))
+
+
+def _buffer_bytes(data: bytes, vector: int) -> int:
+    """The lengths of a vector of Buffer structs added up: a uint32 count, then 16 bytes each."""
+    count = _read(_U32, data, vector)
+    if count > (len(data) - vector - 4) // 16:
+        raise DecodeError("corrupt message: metadata offset out of bounds")
+    fields = struct.unpack_from(f"<{2 * count}q", data, vector + 4)
+    return sum(map(abs, fields[1::2]))  # Arrow refuses negative lengths; they must not cancel out
+
+
+def _table(data: bytes, at: int) -> int:
+    """The position of the table that the uoffset stored at `at` points to."""
+    return at + _read(_U32, data, at)
+
+
+def _field(data: bytes, table: int, index: int) -> int | None:
+    """The position of a table's field `index`, None when absent. The table starts with a soffset
+    back to its vtable: the vtable's byte size, the table's, then one uint16 offset per field."""
+    vtable = table - _read(_I32, data, table)
+    entry = 4 + 2 * index
+    if entry + 2 > _read(_U16, data, vtable):
+        return None  # the vtable ends before this field: written by an older schema, absent
+    offset = _read(_U16, data, vtable + entry)
+    return table + offset if offset else None
+
+
+def _read(kind: struct.Struct, data: bytes, at: int) -> int:
+    """One little-endian integer; hostile offsets end here, not outside the buffer."""
+    if not 0 <= at <= len(data) - kind.size:
+        raise DecodeError("corrupt message: metadata offset out of bounds")
+    return kind.unpack_from(data, at)[0]
+
+
 def _count(text: str | None) -> int | None:
     """An optional non-negative integer of the metadata; anything else is ignored, not trusted."""
-    return int(text) if text and text.isdigit() and len(text) < 19 else None
+    return int(text) if text and text.isascii() and text.isdigit() and len(text) < 19 else None
 
 
 def _decode_value(spec: pa.Field, column: pa.Array, max_bytes: int) -> Value:

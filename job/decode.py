@@ -13,7 +13,7 @@ from pyflink.datastream import MapFunction, RuntimeContext
 from conf import LimitsConfig, PreprocessConfig
 from connectors.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
 from job.model import InvalidInput
-from job.preprocess import prepare_values
+from job.preprocess import configure_pillow, prepare_values
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,11 @@ class DecodedBatch:
 def decode_records(
     records: list[Row], limits: LimitsConfig, preprocess: PreprocessConfig
 ) -> tuple[DecodedBatch, int]:
-    """Returns the decoded batch and how many records were dropped for lack of a uri to answer."""
+    """Returns the decoded batch and how many records were dropped for lack of a uri to answer.
+
+    Whatever one record holds, it ends up an instance, an error result or a dropped count: any
+    exception from reading or preparing it, expected or not, stays that record's problem, since
+    one escaping would restart the job and fail every other request in flight."""
     instances: list[Message] = []
     rejected: list[Message] = []
     dropped = 0
@@ -38,22 +42,36 @@ def decode_records(
             message = decode_message(payload or b"", limits.max_instance_bytes)
             if key is not None and key != message.uri:
                 raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
-        except DecodeError as exc:
+        except Exception as exc:
             if key and len(key) <= MAX_URI_CHARS:
-                log.warning("uri=%s rejected: %s", key, exc)
-                rejected.append(Message(uri=key, error=f"bad request: {exc}"))
+                rejected.append(error_result(key, "bad request", exc))
             else:
-                log.warning("record without a usable key dropped: %s", exc)
+                log.warning("record without a usable key dropped: %s", _reason(exc))
                 dropped += 1
             continue
         try:
             message.tensors = prepare_values(message.tensors, preprocess.images, limits)
-        except InvalidInput as exc:
-            log.warning("uri=%s invalid input: %s", message.uri, exc)
-            rejected.append(Message(uri=message.uri, error=f"invalid input: {exc}"))
+        except Exception as exc:
+            rejected.append(error_result(message.uri, "invalid input", exc))
             continue
         instances.append(message)
     return DecodedBatch(instances, rejected), dropped
+
+
+def error_result(uri: str, kind: str, exc: Exception) -> Message:
+    """The error result for one request, logged; an exception that no check raised on purpose is a
+    bug to fix, so its traceback goes to the log too."""
+    expected = isinstance(exc, (DecodeError, InvalidInput))
+    log.warning("uri=%s %s: %s", uri, kind, _reason(exc), exc_info=not expected)
+    return Message(uri=uri, error=f"{kind}: {_reason(exc)}")
+
+
+def _reason(exc: Exception) -> str:
+    """An exception as the client reads it: our own checks' messages as they are, any other with
+    its type, which is often all it says (a bare KeyError or MemoryError)."""
+    if isinstance(exc, (DecodeError, InvalidInput)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class DecodeBatch(MapFunction):
@@ -64,6 +82,7 @@ class DecodeBatch(MapFunction):
         self.preprocess = preprocess
 
     def open(self, runtime_context: RuntimeContext) -> None:
+        configure_pillow(self.limits.max_image_pixels)
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.records_in = group.counter("requests")
         self.decode_errors = group.counter("decodeErrors")

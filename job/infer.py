@@ -15,8 +15,8 @@ from pyflink.datastream import MapFunction, RuntimeContext
 
 from conf import FlinkConfig, ModelConfig, PostprocessConfig, TestingConfig
 from connectors.codec import Message
-from job.decode import DecodedBatch
-from job.model import InvalidInput, OnnxModel
+from job.decode import DecodedBatch, error_result
+from job.model import OnnxModel
 from job.postprocess import top_n
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,8 @@ def predict(model: OnnxModel, instances: list[Message]) -> list[Message]:
     for instance in instances:
         try:
             feed = model.prepare(instance.tensors)
-        except InvalidInput as exc:
-            log.warning("uri=%s invalid input: %s", instance.uri, exc)
-            outcomes.append(Message(uri=instance.uri, error=f"invalid input: {exc}"))
+        except Exception as exc:  # InvalidInput, or one no check foresaw: this request's alone
+            outcomes.append(error_result(instance.uri, "invalid input", exc))
             continue
         groups.setdefault(signature(feed), []).append((instance.uri, feed))
     for group in groups.values():

@@ -104,7 +104,7 @@ class OnnxModel:
             if value.dtype.kind not in "OU":
                 raise InvalidInput(f"input {spec.name!r}: expects strings, got {value.dtype}")
             return value.astype(object)
-        if value.dtype.kind in "OU" or not np.can_cast(value.dtype, spec.dtype, casting="same_kind"):
+        if not _castable(value.dtype, spec.dtype):
             raise InvalidInput(f"input {spec.name!r}: expects {spec.dtype}, got {value.dtype}")
         return value.astype(spec.dtype, copy=False)
 
@@ -128,6 +128,16 @@ def _input_spec(node: ort.NodeArg) -> InputSpec:
         raise ModelError(f"input {node.name!r} has unsupported type {node.type}")
     shape = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in node.shape)
     return InputSpec(node.name, ORT_DTYPES[node.type], shape)
+
+
+def _castable(got: np.dtype, want: np.dtype) -> bool:
+    """The README's rule: a cast within a kind (float64 -> float32, int32 -> int64), or an unsigned
+    integer into a signed one that holds all its values (uint8 -> int64). Never across kinds, which
+    numpy's "same_kind" allows: int or bool -> float would turn ids and flags into numbers silently,
+    and uint64 -> float32 loses digits."""
+    if got.kind == want.kind:
+        return True
+    return got.kind == "u" and want.kind == "i" and np.can_cast(got, want, casting="safe")
 
 
 def _check_inputs(configured: tuple[str, ...], actual: list[str]) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import struct
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -12,14 +15,18 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from connectors.codec import (
+    END_OF_STREAM,
     NUMERIC_DTYPES,
     DecodeError,
     EncodedImage,
     Message,
     SparseTensor,
+    _field,
+    _table,
     decode_message,
     encode_message,
 )
+from tests.memory import peak_rss_growth_mb
 
 LIMIT = 1 << 24
 
@@ -208,3 +215,111 @@ def test_refuses_forged_sparse(payload: bytes, reason: str) -> None:
     assert decode_message(_forged_sparse([1, 4], [2.0], "[2,5]"), LIMIT).tensors["sp"].to_dense()[1, 4] == 2.0
     with pytest.raises(DecodeError, match=reason):
         decode_message(payload, LIMIT)
+
+
+def _stream(schema: pa.Schema, batch: pa.RecordBatch, compression: str | None = None) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
+        writer.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def test_refuses_names_that_are_not_utf8() -> None:
+    """pyarrow reads names as UTF-8 only when asked for them, and raises UnicodeDecodeError then."""
+    payload = encode_message(Message("u", {"x" * 8: np.ones(2, np.float32)}))
+    with pytest.raises(DecodeError, match="a name in its schema is not UTF-8"):
+        decode_message(payload.replace(b"x" * 8, b"\xff" * 8), LIMIT)
+
+
+def test_result_counts_read_only_ascii_digits() -> None:
+    """'²' is a digit to str.isdigit() and not a number to int()."""
+    schema = pa.schema([], metadata={**GOOD_META, "cs.batch_size": "²", "cs.top_n": "3"})
+    decoded = decode_message(_stream(schema, pa.record_batch([], schema=schema)), LIMIT)
+    assert decoded.batch_size is None and decoded.top_n == 3
+
+
+def test_refuses_duplicate_tensor_names() -> None:
+    """Two columns named `x` would be served with one of them silently dropped."""
+    column = pa.LargeListArray.from_arrays(pa.array([0, 2], pa.int64()), FLOATS)
+    field = pa.field("x", column.type, metadata={"cs.dtype": "float32", "cs.shape": "[2]"})
+    schema = pa.schema([field, field], metadata=GOOD_META)
+    with pytest.raises(DecodeError, match="tensor 'x' appears more than once"):
+        decode_message(_stream(schema, pa.record_batch([column, column], schema=schema)), LIMIT)
+
+
+ZEROS = 1 << 24  # float32 values: 64 MiB once inflated, a few KB compressed
+
+
+def _compressed_zeros(compression: str) -> bytes:
+    column = pa.LargeListArray.from_arrays(pa.array([0, ZEROS], pa.int64()), pa.array(np.zeros(ZEROS, np.float32)))
+    schema = pa.schema([pa.field("t", column.type, metadata={"cs.dtype": "float32", "cs.shape": f"[{ZEROS}]"})],
+                       metadata=GOOD_META)
+    return _stream(schema, pa.record_batch([column], schema=schema), compression)
+
+
+def _compressed_dictionary() -> bytes:
+    """A dictionary batch (not part of the format) whose one value is 64 MiB of zeros."""
+    column = pa.DictionaryArray.from_arrays(pa.array([0], pa.int32()), pa.array([bytes(4 * ZEROS)], pa.large_binary()))
+    schema = pa.schema([pa.field("t", column.type)], metadata=GOOD_META)
+    return _stream(schema, pa.record_batch([column], schema=schema), "zstd")
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (lambda: _compressed_zeros("lz4"), "compressed record batches are not part of the format"),
+        (lambda: _compressed_zeros("zstd"), "compressed record batches are not part of the format"),
+        (_compressed_dictionary, "got schema, dictionary, record batch"),
+    ],
+    ids=["lz4", "zstd", "zstd-dictionary"],
+)
+def test_refuses_compression_before_inflating(build: Callable[[], bytes], reason: str) -> None:
+    """A few KB of LZ4/ZSTD would be 64 MiB once inflated, past any limit checked after reading."""
+    payload = build()
+    assert len(payload) < 300_000
+    started = time.perf_counter()
+
+    def decode() -> None:
+        with pytest.raises(DecodeError, match=reason):
+            decode_message(payload, LIMIT)
+
+    assert peak_rss_growth_mb(decode) < 32
+    assert time.perf_counter() - started < 1
+
+
+def _patched_batch(
+    batch: pa.RecordBatch, nodes: dict[int, int], buffers: dict[int, int], offsets: dict[int, int]
+) -> bytes:
+    """The batch's IPC message with field node lengths, buffer descriptors (made copies of another
+    one) and last list offsets changed in place: what no Arrow writer produces."""
+    message = pa.ipc.read_message(batch.serialize())
+    metadata, body = bytearray(message.metadata.to_pybytes()), bytearray(message.body.to_pybytes())
+    header = _table(metadata, _field(metadata, _table(metadata, 0), 2))
+    node_vector, buffer_vector = (_table(metadata, _field(metadata, header, i)) + 4 for i in (1, 2))
+    for node, length in nodes.items():
+        struct.pack_into("<q", metadata, node_vector + 16 * node, length)
+    for target, source in buffers.items():
+        metadata[buffer_vector + 16 * target: buffer_vector + 16 * target + 16] = \
+            metadata[buffer_vector + 16 * source: buffer_vector + 16 * source + 16]
+    for buffer, last in offsets.items():
+        start = struct.unpack_from("<q", metadata, buffer_vector + 16 * buffer)[0]
+        struct.pack_into("<q", body, start + 8, last)
+    return b"\xff\xff\xff\xff" + struct.pack("<i", len(metadata)) + bytes(metadata) + bytes(body)
+
+
+def test_refuses_buffers_that_overlap_past_the_limit() -> None:
+    """Uncompressed columns can still decode to more than the wire holds: buffer descriptors may
+    point at the same bytes. Here columns b and c are one value on the wire and views of a's
+    million once decoded (nodes: a, a.item, b, b.item, ...; buffers: validity and offsets or data)."""
+    size = 1 << 20
+    one_row = lambda values: pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)  # noqa: E731
+    columns = [one_row(pa.array(np.ones(size, np.float32))), one_row(FLOATS[:1]), one_row(FLOATS[:1])]
+    meta = {"cs.dtype": "float32", "cs.shape": f"[{size}]"}
+    schema = pa.schema([pa.field(name, columns[0].type, metadata=meta) for name in "abc"], metadata=GOOD_META)
+    batch = _patched_batch(pa.record_batch(columns, schema=schema), nodes={3: size, 5: size},
+                           buffers={7: 3, 11: 3}, offsets={5: size, 9: size})
+    payload = schema.serialize().to_pybytes() + batch + END_OF_STREAM
+    limit = len(payload) + 4096
+    with pytest.raises(DecodeError, match=f"bytes once decoded, over the limit of {limit}"):
+        decode_message(payload, limit)
+    assert decode_message(payload, 4 * limit).tensors["c"].size == size  # within a limit, views are fine

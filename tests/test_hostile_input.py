@@ -1,12 +1,19 @@
 """1,000 corrupt or adversarial records interleaved with 1,000 valid requests on the input topic of
 a running job: every valid request gets its correct result, every corrupt record with a uri gets
-an error result, records without one are counted, and the job never restarts."""
+an error result, records without one are counted, the job never restarts and its memory stays
+within MEMORY_BOUND_MB. The kinds include decompression-bomb image headers (PNG, JPEG, also past
+Pillow's own limit), zstd-compressed Arrow that would inflate to 256 MiB, a tensor name given
+twice and casts across dtype kinds."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import struct
+import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -18,7 +25,7 @@ from PIL import Image
 
 from client import OutputQueue
 from client.instances import encode_request
-from client.processes import EmbeddedJob
+from client.processes import EmbeddedJob, group_rss_mb
 from conf.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message
 
@@ -26,6 +33,10 @@ VALID = 1000
 CORRUPT = 1000
 MAX_INSTANCE_BYTES = 65536
 MAX_IMAGE_PIXELS = 10_000
+COMPRESSED_BYTES = 256 * 2**20  # what one zstd record inflates to, were it inflated
+# The job's memory (its Python and JVM) may grow this much over the run; one inflated zstd record
+# alone would be COMPRESSED_BYTES.
+MEMORY_BOUND_MB = 200
 
 
 def forged(uri: str, version: str = "1", dtype: str = "float32", shape: str = f"[{FEATURES}]",
@@ -44,6 +55,54 @@ def big_png() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (200, 200)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A 57-byte PNG claiming width x height RGB pixels: signature, IHDR, an empty IDAT and IEND.
+    A decoder that believed it would allocate width x height x 3 bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def jpeg_header(width: int, height: int) -> bytes:
+    """A JPEG's start, frame header (SOF0, 3 components) and scan header claiming width x height."""
+    frame = struct.pack(">BHHB", 8, height, width, 3) + bytes([1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1])
+    scan = bytes([3, 1, 0, 2, 0x11, 3, 0x11, 0, 0x3F, 0])
+    return (b"\xff\xd8" + b"\xff\xc0" + struct.pack(">H", len(frame) + 2) + frame
+            + b"\xff\xda" + struct.pack(">H", len(scan) + 2) + scan + b"\x00" * 16)
+
+
+@functools.cache
+def compressed_zeros() -> tuple[pa.Field, pa.Array]:
+    """COMPRESSED_BYTES of float32 zeros, the column a zstd bomb carries."""
+    column = pa.LargeListArray.from_arrays(pa.array([0, COMPRESSED_BYTES // 4], pa.int64()),
+                                          pa.array(np.zeros(COMPRESSED_BYTES // 4, np.float32)))
+    field = pa.field("features", column.type, metadata={"cs.dtype": "float32", "cs.shape": f"[{COMPRESSED_BYTES // 4}]"})
+    return field, column
+
+
+def compressed(uri: str) -> bytes:
+    """A few KB on the wire, COMPRESSED_BYTES once inflated."""
+    field, column = compressed_zeros()
+    schema = pa.schema([field], metadata={"cs.version": "1", "cs.uri": uri})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_batch(pa.record_batch([column], schema=schema))
+    return sink.getvalue().to_pybytes()
+
+
+def duplicate_names(uri: str) -> bytes:
+    """Two tensors named `features`: which one would be served?"""
+    column = pa.LargeListArray.from_arrays(pa.array([0, FEATURES], pa.int64()), pa.array(np.ones(FEATURES, np.float32)))
+    field = pa.field("features", column.type, metadata={"cs.dtype": "float32", "cs.shape": f"[{FEATURES}]"})
+    schema = pa.schema([field, field], metadata={"cs.version": "1", "cs.uri": uri})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(pa.record_batch([column, column], schema=schema))
+    return sink.getvalue().to_pybytes()
 
 
 def valid(uri: str) -> bytes:
@@ -69,8 +128,34 @@ CORRUPTIONS: dict[str, tuple[Callable[[str], bytes], str]] = {
     "missing input": (lambda uri: encode_request(uri, {"pixels": np.ones(FEATURES, np.float32)}), "invalid input: unknown input 'pixels'"),
     "image that does not decode": (lambda uri: encode_request(uri, {"features": EncodedImage(b"\x89PNG not really")}), "invalid input: image 'features' does not decode"),
     "image over max_image_pixels": (lambda uri: encode_request(uri, {"features": EncodedImage(big_png())}), "invalid input: image 'features': 200x200 pixels"),
+    "PNG bomb header": (lambda uri: encode_request(uri, {"features": EncodedImage(png_header(20000, 20000))}),
+                        "invalid input: image 'features': 20000x20000 pixels, over the limit"),
+    "PNG bomb over Pillow's own limit": (lambda uri: encode_request(uri, {"features": EncodedImage(png_header(65535, 65535))}),
+                                         "invalid input: image 'features': 65535x65535 pixels, over the limit"),
+    "JPEG bomb header": (lambda uri: encode_request(uri, {"features": EncodedImage(jpeg_header(65000, 65000))}),
+                         "invalid input: image 'features': 65000x65000 pixels, over the limit"),
+    "zstd-compressed Arrow": (compressed, "bad request: compressed record batches are not part of the format"),
+    "tensor name twice": (duplicate_names, "bad request: tensor 'features' appears more than once"),
+    "int32 for a float32 input": (lambda uri: encode_request(uri, {"features": np.ones(FEATURES, np.int32)}),
+                                  "invalid input: input 'features': expects float32, got int32"),
+    "bool for a float32 input": (lambda uri: encode_request(uri, {"features": np.ones(FEATURES, bool)}),
+                                 "invalid input: input 'features': expects float32, got bool"),
+    "uint64 for a float32 input": (lambda uri: encode_request(uri, {"features": np.ones(FEATURES, np.uint64)}),
+                                   "invalid input: input 'features': expects float32, got uint64"),
 }
 KEYLESS = "no key"
+
+
+class MemorySampler(threading.Thread):
+    """The job's resident memory (Python and JVM) every 0.2 s until `done`."""
+
+    def __init__(self, pgid: int):
+        super().__init__(daemon=True)
+        self.pgid, self.rss, self.done = pgid, [group_rss_mb(pgid)], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.rss.append(group_rss_mb(self.pgid))
 
 
 def operator_counter(job: EmbeddedJob, suffix: str) -> int:
@@ -92,6 +177,8 @@ def test_hostile_input_hurts_no_one_else(write_config, start_job) -> None:
     expected_kind: dict[str, str] = {}
     kafka = config.kafka
     producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, linger_ms=5, max_request_size=1 << 20)
+    memory = MemorySampler(job.process.pid)
+    memory.start()
     started = time.monotonic()
     for i in range(VALID + CORRUPT):
         if i % 2 == 0:
@@ -117,6 +204,9 @@ def test_hostile_input_hurts_no_one_else(write_config, start_job) -> None:
             time.sleep(0.2)
         elapsed = time.monotonic() - started
         duplicates = outputs.store.duplicates
+    memory.done.set()
+    memory.join()
+    memory_growth_mb = max(memory.rss) - memory.rss[0]
 
     probabilities = ort.InferenceSession(str(config.model.path)).run(None, {"features": features})[0]
     wrong = [i for i in range(VALID) if "probabilities" not in results.get(f"ok-{i}", {})
@@ -144,12 +234,15 @@ def test_hostile_input_hurts_no_one_else(write_config, start_job) -> None:
         "corrupt sent": CORRUPT, "corrupt with uri": len(expected_kind), "error results as expected": len(expected_kind) - len(misreported),
         "keyless dropped": keyless, "flink decodeErrors": decode_errors, "flink inferenceErrors": inference_errors,
         "duplicates": duplicates, "restarts": restarts, "seconds to all results": round(elapsed, 1),
-        "records/s": round((VALID + CORRUPT) / elapsed), "per kind": per_kind,
+        "records/s": round((VALID + CORRUPT) / elapsed), "job memory MB start/peak": [round(memory.rss[0]), round(max(memory.rss))],
+        "per kind": per_kind,
     }, indent=1))
     assert not wrong, f"{len(wrong)} valid requests without their correct result, e.g. ok-{wrong[0]}: {results.get(f'ok-{wrong[0]}')}"
-    assert not misreported, f"{len(misreported)} corrupt records without the right error: {list(misreported.items())[:3]}"
+    one_per_kind = {expected_kind[uri]: result for uri, result in misreported.items()}
+    assert not misreported, f"{len(misreported)} corrupt records without the right error, one per kind: {one_per_kind}"
     assert not unexpected, f"results for uris nobody sent: {sorted(unexpected)[:5]}"
     assert decode_errors + inference_errors == CORRUPT
     assert restarts == [{"id": "numRestarts", "value": "0"}]
     assert not exceptions.get("exceptionHistory", {}).get("entries"), exceptions
     assert state == "RUNNING"
+    assert memory_growth_mb < MEMORY_BOUND_MB, f"the job's memory grew by {memory_growth_mb:.0f} MB"

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from connectors.codec import Message
 from job.infer import predict
 from job.model import ModelError, OnnxModel
+from tests.onnx_models import graph_model
 
 TABLE = np.arange(30, dtype=np.float32).reshape(10, 3)
 
@@ -79,3 +80,60 @@ def test_configured_names_must_match_the_model(lookup_path: Path) -> None:
         OnnxModel(path, "cpu", outputs=("probs",))
     with pytest.raises(ModelError, match="cannot load model"):
         OnnxModel(path.with_name("absent.onnx"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def kinds_model(tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
+    """One input per kind the cast rule tells apart, each passed through: f float32, i int64, b bool."""
+    inputs = [("f", TensorProto.FLOAT, [2]), ("i", TensorProto.INT64, [2]), ("b", TensorProto.BOOL, [2])]
+    nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name, _, _ in inputs]
+    outputs = [(f"{name}_out", kind, shape) for name, kind, shape in inputs]
+    return OnnxModel(graph_model(tmp_path_factory.mktemp("kinds") / "kinds.onnx", inputs, nodes, outputs), "cpu")
+
+
+GOOD = {"f": np.array([1.5, -2.0], np.float32), "i": np.array([3, 4], np.int64), "b": np.array([True, False])}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("f", np.array([1.5, -2.0])), ("f", np.array([1.5, -2.0], np.float16)), ("i", np.array([3, 4], np.int32)),
+     ("i", np.array([3, 4], np.uint8)), ("i", np.array([3, 4], np.uint32))],
+)
+def test_casts_within_a_kind_are_served(kinds_model: OnnxModel, name: str, value: np.ndarray) -> None:
+    result = predict(kinds_model, [Message("u", {**GOOD, name: value})])[0]
+    assert result.error is None
+    assert result.tensors[f"{name}_out"].dtype == GOOD[name].dtype
+    np.testing.assert_array_equal(result.tensors[f"{name}_out"], GOOD[name])
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "got"),
+    [("f", np.array([3, 4], np.int32), "int32"), ("f", np.array([True, False]), "bool"),
+     ("f", np.array([3, 4], np.uint64), "uint64"), ("i", np.array([1.0, 2.0]), "float64"),
+     ("i", np.array([3, 4], np.uint64), "uint64"), ("i", np.array([True, False]), "bool"),
+     ("b", np.array([1, 0], np.int8), "int8"), ("b", np.array([1.0, 0.0], np.float32), "float32"),
+     ("f", np.array(["1.5", "2"], object), "object")],
+)
+def test_casts_across_kinds_are_refused(kinds_model: OnnxModel, name: str, value: np.ndarray, got: str) -> None:
+    """numpy's "same_kind" would take int32, bool and uint64 as float32; the README promises not."""
+    result = predict(kinds_model, [Message("u", {**GOOD, name: value})])[0]
+    want = GOOD[name].dtype
+    assert result.error == f"invalid input: input {name!r}: expects {want}, got {got}"
+
+
+def test_an_unexpected_exception_preparing_one_request_fails_only_that_request(
+    lookup_model: OnnxModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = lookup_model.prepare
+
+    def prepare(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if tensors["row"] == 5:
+            raise IndexError("a bug in preparing")
+        return real(tensors)
+
+    monkeypatch.setattr(lookup_model, "prepare", prepare)
+    results = by_uri(predict(lookup_model, [Message(f"r{row}", {"row": np.array(row)}) for row in (4, 5, 6)]))
+    assert results["r5"].error == "invalid input: IndexError: a bug in preparing"
+    for row in (4, 6):
+        np.testing.assert_array_equal(results[f"r{row}"].tensors["values"], TABLE[row])
+        assert results[f"r{row}"].batch_size == 2

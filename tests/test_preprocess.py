@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import time
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +20,8 @@ from conf import ImageConfig, LimitsConfig, load_config
 from connectors.codec import EncodedImage, Message, SparseTensor
 from job.model import InvalidInput
 from job.postprocess import top_n
-from job.preprocess import decode_image, prepare_values
+from job.preprocess import configure_pillow, decode_image, prepare_values
+from tests.memory import peak_rss_growth_mb
 
 PIXELS = np.random.default_rng(0).integers(0, 256, size=(6, 8, 3), dtype=np.uint8)  # height 6, width 8
 
@@ -65,11 +70,91 @@ def test_image_over_the_pixel_limit_is_refused_before_decoding() -> None:
         decode_image("i", png(), ImageConfig(), 47)
 
 
-def test_gif_is_refused() -> None:
+@pytest.mark.parametrize("kind", ["GIF", "BMP", "TIFF"])
+def test_other_formats_are_refused_unparsed(kind: str) -> None:
+    """Only the JPEG and PNG plugins read request bytes: fewer decoders facing hostile input."""
     buffer = io.BytesIO()
-    Image.fromarray(PIXELS).save(buffer, format="GIF")
-    with pytest.raises(InvalidInput, match="not JPEG or PNG"):
+    Image.fromarray(PIXELS).save(buffer, format=kind)
+    with pytest.raises(InvalidInput, match="does not decode: not JPEG or PNG"):
         decode_image("i", buffer.getvalue(), ImageConfig(), 10_000)
+
+
+def png_header(width: int, height: int) -> bytes:
+    """57 bytes of PNG claiming width x height RGB pixels: signature, IHDR, empty IDAT, IEND."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
+
+
+def jpeg_header(width: int, height: int) -> bytes:
+    """A baseline JPEG's markers claiming width x height (SOF0, three components), without data."""
+    sof = struct.pack(">BHHB", 8, height, width, 3) + bytes([1, 0x11, 0, 2, 0x11, 0, 3, 0x11, 0])
+    sos = bytes([3, 1, 0, 2, 0, 3, 0, 0, 63, 0])
+    return (b"\xff\xd8\xff\xc0" + struct.pack(">H", len(sof) + 2) + sof
+            + b"\xff\xda" + struct.pack(">H", len(sos) + 2) + sos + b"\xff\xd9")
+
+
+@pytest.mark.parametrize(
+    ("data", "size"),
+    [(png_header(20000, 20000), "20000x20000"), (png_header(100000, 100000), "100000x100000"),
+     (jpeg_header(65000, 65000), "65000x65000"), (png_header(9000, 9000), "9000x9000")],
+    ids=["png-20000", "png-100000", "jpeg-65000", "png-9000"],
+)
+def test_pixel_bombs_are_refused_from_the_header(data: bytes, size: str) -> None:
+    """Headers claiming 81 million to 10 billion pixels: refused in milliseconds, nothing allocated
+    (Pillow itself raises DecompressionBombError above 179 million, which must not escape)."""
+    started = time.perf_counter()
+
+    def decode() -> None:
+        with pytest.raises(InvalidInput, match=f"image 'i': {size} pixels, over the limit of 10000"):
+            decode_image("i", data, ImageConfig(), 10_000)
+
+    assert peak_rss_growth_mb(decode) < 32
+    assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [struct.error("unpack requires a buffer of 4 bytes"), EOFError(), MemoryError(), SyntaxError("broken"),
+     Image.DecompressionBombError("Image size exceeds limit"), Image.DecompressionBombWarning("Image size"),
+     RuntimeError("a decoder bug")],
+    ids=lambda error: f"{type(error).__module__}.{type(error).__name__}",
+)
+def test_any_decoder_exception_is_invalid_input(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow raises many exception types on hostile bytes; none may escape decode_image."""
+    def convert(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(Image.Image, "convert", convert)
+    with pytest.raises(InvalidInput, match=f"image 'i' does not decode: {str(error) or type(error).__name__}"):
+        decode_image("i", png(), ImageConfig(), 10_000)
+
+
+def test_mutated_images_never_raise_anything_else() -> None:
+    """Truncations and byte flips of real PNGs and JPEGs: an array or InvalidInput, every time."""
+    rng = np.random.default_rng(1)
+    jpeg = io.BytesIO()
+    Image.fromarray(PIXELS).save(jpeg, format="JPEG")
+    for original in (png(), jpeg.getvalue()):
+        for _ in range(300):
+            data = bytearray(original[: rng.integers(8, len(original) + 1)])
+            for position in rng.integers(0, len(data), rng.integers(1, 6)):
+                data[position] = rng.integers(0, 256)
+            try:
+                decode_image("i", bytes(data), ImageConfig(resize=(4, 4)), 10_000)
+            except InvalidInput:
+                pass
+
+
+def test_pillow_limit_agrees_and_its_warning_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow's own bomb check, run by Image.open here, gets our limit, and its mere warning
+    between 1x and 2x the limit (PIXELS: 48 pixels, limit 40) refuses too."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+    with warnings.catch_warnings():
+        configure_pillow(40)
+        with pytest.raises(Image.DecompressionBombWarning, match="exceeds limit of 40 pixels"):
+            Image.open(io.BytesIO(png()))
 
 
 def test_prepare_values_densifies_and_decodes() -> None:

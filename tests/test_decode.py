@@ -1,0 +1,61 @@
+"""The decode stage's promise: one record's problem, whatever its kind, is that record's error
+result (or a dropped count without a uri); the rest of the micro-batch is decoded as usual."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from pyflink.common import Row
+
+import job.decode
+from conf import LimitsConfig, PreprocessConfig
+from connectors.codec import Message, encode_message
+from job.decode import decode_records
+from job.preprocess import prepare_values
+
+LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=10_000)
+URIS = ["a", "boom", "b"]
+
+
+def records(*extra: Row) -> list[Row]:
+    """One valid request per uri of URIS, x filled with the uri's index, then `extra`."""
+    valid = [Row(uri, encode_message(Message(uri, {"x": np.full(3, i, np.float32)}))) for i, uri in enumerate(URIS)]
+    return valid + list(extra)
+
+
+def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def prepare(values: dict, images: dict, limits: LimitsConfig) -> dict:
+        if values["x"][0] == URIS.index("boom"):
+            raise RuntimeError("a bug in preprocessing")
+        return prepare_values(values, images, limits)
+
+    monkeypatch.setattr(job.decode, "prepare_values", prepare)
+    with caplog.at_level(logging.WARNING, logger="job.decode"):
+        batch, dropped = decode_records(records(), LIMITS, PreprocessConfig(images={}))
+    assert [message.uri for message in batch.instances] == ["a", "b"] and dropped == 0
+    assert batch.instances[1].tensors["x"].tolist() == [2.0, 2.0, 2.0]
+    assert [(message.uri, message.error) for message in batch.rejected] == [
+        ("boom", "invalid input: RuntimeError: a bug in preprocessing")
+    ]
+    assert "uri=boom invalid input: RuntimeError: a bug in preprocessing" in caplog.text
+    assert "Traceback" in caplog.text  # a bug to fix, not a bad request
+
+
+def test_an_unexpected_exception_reading_one_record_is_its_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = job.decode.decode_message
+
+    def decode(payload: bytes, max_bytes: int) -> Message:
+        if b"boom" in payload or b"keyless" in payload:
+            raise KeyError("cs.uri")
+        return real(payload, max_bytes)
+
+    monkeypatch.setattr(job.decode, "decode_message", decode)
+    keyless = Row(None, encode_message(Message("keyless", {"x": np.zeros(1)})))
+    batch, dropped = decode_records(records(keyless), LIMITS, PreprocessConfig(images={}))
+    assert [message.uri for message in batch.instances] == ["a", "b"]
+    assert [(message.uri, message.error) for message in batch.rejected] == [("boom", "bad request: KeyError: 'cs.uri'")]
+    assert dropped == 1
