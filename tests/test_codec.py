@@ -26,6 +26,7 @@ from connectors.codec import (
     decode_message,
     encode_message,
 )
+from tests.arrow_streams import one_batch_stream, write_stream
 from tests.memory import peak_rss_growth_mb
 
 LIMIT = 1 << 24
@@ -129,10 +130,7 @@ def _forged(metadata: dict[str, str], field_meta: dict[str, str], values: pa.Arr
     """A message built by hand, to check what the decoder refuses."""
     column = pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), values)
     schema = pa.schema([pa.field("t", column.type, metadata=field_meta)], metadata=metadata)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
-    return sink.getvalue().to_pybytes()
+    return one_batch_stream(schema, [column])
 
 
 GOOD_META = {"cs.version": "1", "cs.uri": "u"}
@@ -183,11 +181,7 @@ def test_encoding_matches_the_arrow_stream_writer() -> None:
     payload = encode_message(Message("u", {"t": np.arange(5, dtype=np.int64)}))
     with pa.ipc.open_stream(payload) as reader:
         schema, batches = reader.schema, list(reader)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        for batch in batches:
-            writer.write_batch(batch)
-    assert sink.getvalue().to_pybytes() == payload
+    assert write_stream(schema, batches) == payload
 
 
 def _forged_sparse(indices: list[int], values: list[float], shape: str) -> bytes:
@@ -197,10 +191,7 @@ def _forged_sparse(indices: list[int], values: list[float], shape: str) -> bytes
     )
     field = pa.field("sp", column.type, metadata={"cs.dtype": "float32", "cs.shape": shape, "cs.layout": "coo"})
     schema = pa.schema([field], metadata=GOOD_META)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
-    return sink.getvalue().to_pybytes()
+    return one_batch_stream(schema, [column])
 
 
 @pytest.mark.parametrize(
@@ -217,13 +208,6 @@ def test_refuses_forged_sparse(payload: bytes, reason: str) -> None:
         decode_message(payload, LIMIT)
 
 
-def _stream(schema: pa.Schema, batch: pa.RecordBatch, compression: str | None = None) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
-
-
 def test_refuses_names_that_are_not_utf8() -> None:
     """pyarrow reads names as UTF-8 only when asked for them, and raises UnicodeDecodeError then."""
     payload = encode_message(Message("u", {"x" * 8: np.ones(2, np.float32)}))
@@ -234,7 +218,7 @@ def test_refuses_names_that_are_not_utf8() -> None:
 def test_result_counts_read_only_ascii_digits() -> None:
     """'²' is a digit to str.isdigit() and not a number to int()."""
     schema = pa.schema([], metadata={**GOOD_META, "cs.batch_size": "²", "cs.top_n": "3"})
-    decoded = decode_message(_stream(schema, pa.record_batch([], schema=schema)), LIMIT)
+    decoded = decode_message(write_stream(schema, [pa.record_batch([], schema=schema)]), LIMIT)
     assert decoded.batch_size is None and decoded.top_n == 3
 
 
@@ -244,7 +228,7 @@ def test_refuses_duplicate_tensor_names() -> None:
     field = pa.field("x", column.type, metadata={"cs.dtype": "float32", "cs.shape": "[2]"})
     schema = pa.schema([field, field], metadata=GOOD_META)
     with pytest.raises(DecodeError, match="tensor 'x' appears more than once"):
-        decode_message(_stream(schema, pa.record_batch([column, column], schema=schema)), LIMIT)
+        decode_message(one_batch_stream(schema, [column, column]), LIMIT)
 
 
 ZEROS = 1 << 24  # float32 values: 64 MiB once inflated, a few KB compressed
@@ -254,14 +238,14 @@ def _compressed_zeros(compression: str) -> bytes:
     column = pa.LargeListArray.from_arrays(pa.array([0, ZEROS], pa.int64()), pa.array(np.zeros(ZEROS, np.float32)))
     schema = pa.schema([pa.field("t", column.type, metadata={"cs.dtype": "float32", "cs.shape": f"[{ZEROS}]"})],
                        metadata=GOOD_META)
-    return _stream(schema, pa.record_batch([column], schema=schema), compression)
+    return one_batch_stream(schema, [column], compression)
 
 
 def _compressed_dictionary() -> bytes:
     """A dictionary batch (not part of the format) whose one value is 64 MiB of zeros."""
     column = pa.DictionaryArray.from_arrays(pa.array([0], pa.int32()), pa.array([bytes(4 * ZEROS)], pa.large_binary()))
     schema = pa.schema([pa.field("t", column.type)], metadata=GOOD_META)
-    return _stream(schema, pa.record_batch([column], schema=schema), "zstd")
+    return one_batch_stream(schema, [column], "zstd")
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from client.instances import encode_request
 from client.processes import EmbeddedJob, group_rss_mb
 from conf.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message
+from tests.arrow_streams import one_batch_stream
 
 VALID = 1000
 CORRUPT = 1000
@@ -45,10 +46,7 @@ def forged(uri: str, version: str = "1", dtype: str = "float32", shape: str = f"
     column = pa.LargeListArray.from_arrays(pa.array([0, values], pa.int64()), pa.array(np.ones(values, np.float32)))
     field = pa.field("features", column.type, metadata={"cs.dtype": dtype, "cs.shape": shape})
     schema = pa.schema([field], metadata={"cs.version": version, "cs.uri": uri})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
-    return sink.getvalue().to_pybytes()
+    return one_batch_stream(schema, [column])
 
 
 def big_png() -> bytes:
@@ -88,10 +86,7 @@ def compressed(uri: str) -> bytes:
     """A few KB on the wire, COMPRESSED_BYTES once inflated."""
     field, column = compressed_zeros()
     schema = pa.schema([field], metadata={"cs.version": "1", "cs.uri": uri})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
-    return sink.getvalue().to_pybytes()
+    return one_batch_stream(schema, [column], "zstd")
 
 
 def duplicate_names(uri: str) -> bytes:
@@ -99,10 +94,7 @@ def duplicate_names(uri: str) -> bytes:
     column = pa.LargeListArray.from_arrays(pa.array([0, FEATURES], pa.int64()), pa.array(np.ones(FEATURES, np.float32)))
     field = pa.field("features", column.type, metadata={"cs.dtype": "float32", "cs.shape": f"[{FEATURES}]"})
     schema = pa.schema([field, field], metadata={"cs.version": "1", "cs.uri": uri})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column, column], schema=schema))
-    return sink.getvalue().to_pybytes()
+    return one_batch_stream(schema, [column, column])
 
 
 def valid(uri: str) -> bytes:

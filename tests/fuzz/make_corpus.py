@@ -1,0 +1,188 @@
+"""Writes the fuzzers' seed corpus: tests/fuzz/corpus/{decoder,message,image,batch}/.
+
+    python tests/fuzz/make_corpus.py
+
+Deterministic (fixed pixels, fixed random seed), so re-running it rewrites the same files; files
+it did not write (e.g. inputs a long fuzz run added) are left alone unless --clean is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from PIL import Image
+
+if __package__ in (None, ""):  # run as a script: make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from connectors.codec import EncodedImage, Message, SparseTensor, encode_message  # noqa: E402
+from tests.arrow_streams import one_batch_stream, write_stream  # noqa: E402
+from tests.fuzz.targets import KEY_EMPTY, KEY_LONG, KEY_NONE, KEY_OTHER, KEY_TEXT, KEY_URI, pack_records  # noqa: E402
+
+CORPUS = Path(__file__).resolve().parent / "corpus"
+PIXELS = np.random.default_rng(0).integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+
+
+def image_bytes(pixels: np.ndarray, fmt: str, mode: str | None = None, **save) -> bytes:
+    image = Image.fromarray(pixels)
+    if mode:
+        image = image.convert(mode)
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save)
+    return buffer.getvalue()
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG that claims width x height RGB pixels and holds one empty IDAT: a pixel bomb's header."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b""))
+            + png_chunk(b"IEND", b""))
+
+
+def images() -> dict[str, bytes]:
+    big = np.tile(np.arange(80, dtype=np.uint8)[:, None, None], (1, 80, 3))  # 6,400 pixels
+    return {
+        "rgb.png": image_bytes(PIXELS, "PNG"),
+        "gray.png": image_bytes(PIXELS, "PNG", "L"),
+        "rgba.png": image_bytes(PIXELS, "PNG", "RGBA"),
+        "palette.png": image_bytes(PIXELS, "PNG", "P"),
+        "bilevel.png": image_bytes(PIXELS, "PNG", "1"),
+        "gray16.png": image_bytes(PIXELS, "PNG", "I;16"),
+        "interlaced.png": image_bytes(PIXELS, "PNG", optimize=False, interlace=1),
+        "rgb.jpg": image_bytes(PIXELS, "JPEG", quality=90),
+        "gray.jpg": image_bytes(PIXELS, "JPEG", "L"),
+        "cmyk.jpg": image_bytes(PIXELS, "JPEG", "CMYK"),
+        "progressive.jpg": image_bytes(PIXELS, "JPEG", progressive=True),
+        "over_limit_80x80.png": image_bytes(big, "PNG"),  # 6,400 pixels: refused at max_pixels 4096
+        "refused.gif": image_bytes(PIXELS, "GIF"),
+        # Claims 20000x20000: Pillow raises DecompressionBombError from Image.open (not an
+        # OSError/ValueError), which decode_image must turn into InvalidInput.
+        "bomb_20000x20000.png": png_header_only(20000, 20000),
+        "truncated.png": image_bytes(PIXELS, "PNG")[:60],
+    }
+
+
+def forged(uri: str, column: pa.Array, dtype: str = "float32", shape: str = "[4]", version: str = "1") -> bytes:
+    """A hand-built stream, to say what encode_message never would."""
+    field = pa.field("x", column.type, metadata={"cs.dtype": dtype, "cs.shape": shape})
+    schema = pa.schema([field], metadata={"cs.version": version, "cs.uri": uri})
+    return one_batch_stream(schema, [column])
+
+
+def compressed(message: Message, codec: str) -> bytes:
+    """The message as one stream written with Arrow's body compression (the decoder accepts it)."""
+    plain = pa.ipc.open_stream(encode_message(message))
+    return write_stream(plain.schema, plain, codec)
+
+
+def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
+    floats = Message("dense-f32", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    valid = {
+        "dense_float32.arrow": encode_message(floats),
+        "int64.arrow": encode_message(Message("int64", {"ids": np.array([1, -2, 2**62, 0], np.int64)})),
+        "strings.arrow": encode_message(Message("strings", {"text": np.array([["héllo", ""], ["wörld", "€"]])})),
+        "sparse.arrow": encode_message(Message("sparse", {"sp": SparseTensor(
+            np.array([[0, 0], [1, 2], [4, 9]], np.int64), np.array([1.5, -2, 3], np.float32), (5, 10))})),
+        "image.arrow": encode_message(Message("image", {"image": EncodedImage(pictures["rgb.png"])})),
+        "error_result.arrow": encode_message(Message("failed", error="model error: boom", batch_size=4)),
+        "top_n_result.arrow": encode_message(Message(
+            "top-n", {"classes": np.array([3, 1], np.int64), "probabilities": np.array([0.7, 0.2], np.float32)},
+            batch_size=8, inference_us=1234, top_n=2)),
+        "mixed.arrow": encode_message(Message("mixed", {
+            "flags": np.array([True, False, True]), "half": np.ones((2, 2), np.float16),
+            "bytes": np.arange(5, dtype=np.uint8), "empty": np.zeros((0, 3), np.float64),
+            "scalar": np.array(7, np.int32)})),
+        "lz4.arrow": compressed(floats, "lz4"),
+        "zstd.arrow": compressed(floats, "zstd"),
+    }
+    good = valid["dense_float32.arrow"]
+    column = pa.LargeListArray.from_arrays(pa.array([0, 4], pa.int64()), pa.array(np.ones(4, np.float32)))
+    corrupt = {
+        "bad_truncated.arrow": good[: len(good) // 2],
+        "flipped.arrow": good[:100] + bytes([good[100] ^ 0xFF]) + good[101:],
+        "bad_garbage.bin": np.random.default_rng(2).bytes(200),
+        "no_eos.arrow": good[:-8],
+        "bad_version.arrow": forged("u", column, version="2"),
+        "bad_dtype_object.arrow": forged("u", column, dtype="object"),
+        "bad_shape.arrow": forged("u", column, shape="[4096,4096]"),
+        "bad_shape_text.arrow": forged("u", column, shape="[1,"),
+        "bad_list32.arrow": forged("u", pa.ListArray.from_arrays(pa.array([0, 4], pa.int32()), pa.array(np.ones(4, np.float32)))),
+        "bad_nulls.arrow": forged("u", pa.LargeListArray.from_arrays(
+            pa.array([0, 4], pa.int64()), pa.array([1.0, None, 2.0, 3.0], pa.float32()))),
+        "offset_slice.arrow": forged("u", pa.LargeListArray.from_arrays(
+            pa.array([0, 2, 6], pa.int64()), pa.array(np.arange(6, dtype=np.float32))).slice(1, 1)),
+        "bad_uri_empty.arrow": forged("", column),
+        "bad_two_rows.arrow": forged("u", pa.LargeListArray.from_arrays(
+            pa.array([0, 2, 4], pa.int64()), pa.array(np.ones(4, np.float32))), shape="[2]"),
+    }
+    return {**valid, **corrupt}
+
+
+def batches(wire: dict[str, bytes], bomb_image: bytes) -> dict[str, bytes]:
+    bomb = encode_message(Message("bomb", {"image": EncodedImage(bomb_image)}))
+    mixed = [
+        (KEY_URI, wire["dense_float32.arrow"]),
+        (KEY_URI, wire["image.arrow"]),
+        (KEY_OTHER, wire["int64.arrow"]),
+        (KEY_NONE, wire["bad_garbage.bin"]),
+        (KEY_LONG, wire["bad_truncated.arrow"]),
+        (KEY_EMPTY, None),
+        (KEY_TEXT + 6 * 5, wire["sparse.arrow"]),
+        (KEY_NONE, wire["strings.arrow"]),
+    ]
+    return {
+        "one_valid": pack_records([(KEY_URI, wire["dense_float32.arrow"])]),
+        "mixed": pack_records(mixed),
+        "results": pack_records([(KEY_URI, wire["top_n_result.arrow"]), (KEY_URI, wire["error_result.arrow"])]),
+        "sparse_and_image": pack_records([(KEY_URI, wire["sparse.arrow"]), (KEY_URI, wire["image.arrow"])]),
+        "compressed": pack_records([(KEY_URI, wire["lz4.arrow"]), (KEY_URI, wire["zstd.arrow"])]),
+        # The PNG pixel bomb inside a request: decode_records must answer it with an error result.
+        "image_bomb": pack_records([(KEY_URI, bomb), (KEY_URI, wire["dense_float32.arrow"])]),
+    }
+
+
+def structured() -> dict[str, bytes]:
+    """Inputs for the `message` target: its builder reads choices off the bytes, any bytes will do."""
+    rng = np.random.default_rng(3)
+    seeds = {f"random_{i:02d}": rng.bytes(int(rng.integers(16, 400))) for i in range(12)}
+    seeds["zeros"] = bytes(64)  # all-defaults: version "1", uri "u", no columns
+    seeds["ones"] = b"\x01" * 64
+    return seeds
+
+
+def write(folder: Path, files: dict[str, bytes]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clean", action="store_true", help="delete the corpus folders first")
+    args = parser.parse_args()
+    if args.clean:
+        shutil.rmtree(CORPUS, ignore_errors=True)
+    pictures = images()
+    wire = messages(pictures)
+    write(CORPUS / "image", pictures)
+    write(CORPUS / "decoder", wire)
+    write(CORPUS / "batch", batches(wire, pictures["bomb_20000x20000.png"]))
+    write(CORPUS / "message", structured())
+    total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
+    print(f"{sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes under {CORPUS}")
+
+
+if __name__ == "__main__":
+    main()
