@@ -20,6 +20,7 @@ from client.processes import EmbeddedJob, HttpBridge, write_run_config
 from conf import load_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
+from tests.test_hostile_input import png_header
 
 STRINGS = ["come", "on", "united"]
 COMPOSITE = {
@@ -153,3 +154,27 @@ def test_programming_guide_example(name: str, tmp_path: Path, broker) -> None:
                 assert np.array(have, dtype=object).tolist() == want.tolist()
             else:
                 np.testing.assert_allclose(np.array(have, dtype=want.dtype), want, rtol=1e-5, atol=1e-6)
+
+
+def test_image_bomb_through_the_bridge_is_a_400_and_the_job_keeps_serving(tmp_path: Path, broker) -> None:
+    """The 57-byte PNG claiming 20000x20000 pixels that once restarted the job three times and
+    took `cluster-serving start` down: now one 400 for its request, and the next one is served."""
+    example = EXAMPLES["images"]
+    model = example.build(tmp_path / "model.onnx")
+    path = write_run_config(tmp_path, model, broker.bootstrap_servers, flink={"checkpoint_interval_ms": 1000}, **example.config)
+    job = EmbeddedJob(path, load_config(path).flink.rest_port, log_path=tmp_path / "job.log")
+    bridge = HttpBridge(path, log_path=tmp_path / "bridge.log")
+    bomb = base64.b64encode(png_header(20000, 20000)).decode()
+    try:
+        job.start()
+        url = bridge.start().url
+        refused = http_call(f"{url}/predict", {"instances": [{"image": {"b64": bomb}}]})
+        served = http_call(f"{url}/predict", example.body)
+        restarts = job.rest(f"/jobs/{job.job_id}/metrics?get=numRestarts")
+        history = job.rest(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]
+    finally:
+        bridge.stop()
+        job.stop()
+    assert refused[0] == 400 and "20000x20000 pixels, over the limit" in refused[1]["error"], refused
+    assert served[0] == 200, served
+    assert restarts == [{"id": "numRestarts", "value": "0"}] and not history, history
