@@ -215,6 +215,9 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch, max_bytes: int) -> Messag
     if len(set(names)) != len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
         raise DecodeError(f"tensor {duplicate!r} appears more than once")
+    for name, spec in zip(names, schema):
+        if not _format_type(spec.type):
+            raise DecodeError(f"tensor {name!r}: column type {spec.type} is not part of the format")
     try:
         batch.validate(full=True)
     except pa.ArrowException as exc:
@@ -305,6 +308,18 @@ def _read(kind: struct.Struct, data: bytes, at: int) -> int:
     if not 0 <= at <= len(data) - kind.size:
         raise DecodeError("corrupt message: metadata offset out of bounds")
     return kind.unpack_from(data, at)[0]
+
+
+def _format_type(kind: pa.DataType) -> bool:
+    """Whether a column type is built only of what the format uses: large lists and structs of
+    numbers, booleans, large strings and large binaries. pyarrow reads other types from a stream
+    that it cannot then wrap as arrays (an interval column raised KeyError, found by fuzzing)."""
+    if pa.types.is_large_list(kind):
+        return _format_type(kind.value_type)
+    if pa.types.is_struct(kind):
+        return all(_format_type(kind.field(i).type) for i in range(kind.num_fields))
+    return (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind))
 
 
 def _count(text: str | None) -> int | None:

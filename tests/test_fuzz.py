@@ -52,6 +52,9 @@ def test_fuzz_for_a_few_seconds(target: str, tmp_path: Path) -> None:
     if done:
         runs, seconds = int(done[1]), max(int(done[2]), 1)
         print(f"fuzz target {target}: {runs} executions in {seconds} s ({runs // seconds}/s)")
+    else:  # stopped early (a crash): libFuzzer's final stats still count the executions
+        units = re.search(r"stat::number_of_executed_units: *(\d+)", output)
+        print(f"fuzz target {target}: stopped after {units[1] if units else '?'} executions")
     crashes = [f"{path.name}: {path.read_bytes()[:200].hex()}" for path in sorted(artifacts.iterdir())]
     uncaught = output.find("=== Uncaught Python exception")
     report = output[uncaught:uncaught + 4000] if uncaught >= 0 else output[-4000:]

@@ -87,6 +87,29 @@ def compressed(message: Message, codec: str) -> bytes:
     return write_stream(plain.schema, plain, codec)
 
 
+def patched(message: Message, old: bytes, new: bytes) -> bytes:
+    """The message's bytes with the first `old` replaced by `new` (same length: offsets stay)."""
+    data = encode_message(message)
+    assert len(old) == len(new) and old in data
+    return data.replace(old, new, 1)
+
+
+def regressions() -> dict[str, bytes]:
+    """Inputs that crashed decode_message (fuzzer finds), kept so that CI replays them."""
+    one = {"xy": np.zeros(4, np.float32)}
+    sparse = {"sp": SparseTensor(np.zeros((1, 1), np.int64), np.ones(1, np.float32), (2,))}
+    # Field flatbuffer: nullable (1), then the type union's tag; LargeList (21) -> Interval (11):
+    # a column of interval[months], which pyarrow reads but cannot wrap (KeyError: 21).
+    return {
+        "regress_field_name_not_utf8.arrow": patched(Message("u", one), b"xy", b"\xff\xfe"),
+        "regress_struct_name_not_utf8.arrow": patched(Message("u", sparse), b"values", b"valu\xcd\xcd"),
+        "regress_count_superscript.arrow": encode_message(Message("u", one, batch_size="\u00b2")),  # '²'.isdigit()
+        "regress_interval_type.arrow": patched(Message("u", one), b"\x01\x15", b"\x01\x0b"),
+        # 2.7 KB on the wire, 64 MiB once inflated: compressed bodies are refused now.
+        "regress_zstd_bomb.arrow": compressed(Message("u", {"x": np.zeros(1 << 24, np.float32)}), "zstd"),
+    }
+
+
 def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
     floats = Message("dense-f32", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
     valid = {
@@ -127,7 +150,7 @@ def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
         "bad_two_rows.arrow": forged("u", pa.LargeListArray.from_arrays(
             pa.array([0, 2, 4], pa.int64()), pa.array(np.ones(4, np.float32))), shape="[2]"),
     }
-    return {**valid, **corrupt}
+    return {**valid, **corrupt, **regressions()}
 
 
 def batches(wire: dict[str, bytes], bomb_image: bytes) -> dict[str, bytes]:
@@ -150,6 +173,7 @@ def batches(wire: dict[str, bytes], bomb_image: bytes) -> dict[str, bytes]:
         "compressed": pack_records([(KEY_URI, wire["lz4.arrow"]), (KEY_URI, wire["zstd.arrow"])]),
         # The PNG pixel bomb inside a request: decode_records must answer it with an error result.
         "image_bomb": pack_records([(KEY_URI, bomb), (KEY_URI, wire["dense_float32.arrow"])]),
+        "regressions": pack_records([(KEY_URI, data) for name, data in wire.items() if name.startswith("regress_")]),
     }
 
 

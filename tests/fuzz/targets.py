@@ -13,7 +13,8 @@ guided), `tests/test_fuzz.py` replays the seed corpus through them in-process. W
 - `image`: `decode_image(name, data, config, MAX_PIXELS)` for each of `IMAGE_CONFIGS` raises
   anything but `InvalidInput`, returns an array of the wrong type, layout or size, or makes the
   process's peak RSS grow by more than `IMAGE_RSS_GROWTH_MB` (PIL allocates with malloc, which
-  tracemalloc does not see; a pixel bomb that slips past `MAX_PIXELS` shows up here).
+  tracemalloc does not see; a pixel bomb that slips past `MAX_PIXELS` shows up here). Pillow is
+  configured as the decode stage configures it (`production_pillow`).
 - `batch`: `decode_records(records, LIMITS, PREPROCESS)` raises anything at all, or loses count of
   a record (instances + rejected + dropped must equal the records in).
 
@@ -33,6 +34,9 @@ import math
 import os
 import resource
 import struct
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +52,7 @@ from connectors.codec import (
     decode_message,
     encode_message,
 )
+from job import preprocess
 from job.model import InvalidInput
 from job.preprocess import decode_image
 from PIL import Image
@@ -360,6 +365,22 @@ def check_structured(data: bytes) -> Message | None:
 _rss_peak_mb = 0
 
 
+@contextmanager
+def production_pillow(max_pixels: int) -> Iterator[None]:
+    """Pillow's process-wide settings as the decode stage makes them when it opens
+    (preprocess.configure_pillow: its pixel limit ours, its bomb warning an error), put back after,
+    so that replaying the corpus inside pytest leaves other tests' Pillow as it was."""
+    configure = getattr(preprocess, "configure_pillow", None)
+    saved = Image.MAX_IMAGE_PIXELS
+    with warnings.catch_warnings():
+        try:
+            if configure is not None:
+                configure(max_pixels)
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
 def _peak_rss_mb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # kB on Linux
 
@@ -370,7 +391,8 @@ def check_image(data: bytes, max_pixels: int = MAX_PIXELS) -> None:
     before = _rss_peak_mb or _peak_rss_mb()
     for config in IMAGE_CONFIGS:
         try:
-            array = decode_image("image", data, config, max_pixels)
+            with production_pillow(max_pixels):
+                array = decode_image("image", data, config, max_pixels)
         except InvalidInput as exc:
             cause = exc.__cause__ or exc.__context__  # kept by `raise ... from None`, only hidden
             if STRICT and cause is not None and not isinstance(cause, (InvalidInput, *EXPECTED_IMAGE_ERRORS)):
@@ -461,7 +483,8 @@ def check_batch(data: bytes) -> None:
     if STRICT:
         for _, payload in records:
             check_decoder(payload or b"")
-    batch, dropped = decode_records(records, LIMITS, PREPROCESS)
+    with production_pillow(LIMITS.max_image_pixels):
+        batch, dropped = decode_records(records, LIMITS, PREPROCESS)
     if len(batch.instances) + len(batch.rejected) + dropped != len(records):
         raise FuzzBug(f"{len(records)} records in, {len(batch.instances)} instances + "
                       f"{len(batch.rejected)} rejected + {dropped} dropped out")
