@@ -21,9 +21,9 @@ BUILD_JARS = PROJECT_ROOT / "build" / "jars"
 # The largest Kafka record the project writes or accepts, one figure for every party: the local
 # broker (message.max.bytes), the topics the job creates (max.message.bytes, which also holds on a
 # broker whose own default is Kafka's 1 MiB), the clients' and the bridge's producers and the job's
-# sink (max.request.size). A request is limits.max_instance_bytes at most, plus its uri and framing.
+# sink (max.request.size). limits.max_instance_bytes may be larger: it also bounds the dense size
+# of sparse tensors, which travel smaller than that.
 KAFKA_RECORD_BYTES = 20 * 1024 * 1024
-RECORD_FRAMING_BYTES = 1024 * 1024
 CONNECTOR_JARS = ("flink-sql-connector-kafka.jar",)
 HELPER_JAR = "cluster-serving-flink.jar"
 DEVICES = ("auto", "cpu", "cuda")
@@ -271,8 +271,7 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
         device=device,
         limits=LimitsConfig(
             max_instance_bytes=_int(
-                raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024,
-                high=KAFKA_RECORD_BYTES - RECORD_FRAMING_BYTES,
+                raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024
             ),
             max_image_pixels=_int(raw["limits"]["max_image_pixels"], "limits.max_image_pixels", low=1),
         ),
