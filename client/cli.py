@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from client.processes import EmbeddedJob, HttpBridge, LocalBroker
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
 from conf.sample_model import FEATURES, build_sample_model
+from connectors.admin import broker_reachable
 
 
 def init_folder(folder: Path) -> Path:
@@ -58,9 +58,7 @@ def broker_address(config: ServingConfig) -> tuple[str, int]:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex((host, port)) == 0
+    return broker_reachable(f"{host}:{port}", timeout_s=0.5)
 
 
 def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroker | None:

@@ -40,6 +40,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from conf import KAFKA_RECORD_BYTES
+from connectors.admin import broker_reachable
 
 log = logging.getLogger("connectors.local_broker")
 
@@ -108,12 +109,6 @@ def port_taken(host: str, port: int) -> bool:
     return False
 
 
-def accepts(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex((host, port)) == 0
-
-
 def server_properties(data: Path, port: int, controller_port: int) -> dict[str, str]:
     """A one-node KRaft broker on loopback. The controller listener gets a port of its own, chosen
     at each start: with a static voter set its address is read from here, never from the data."""
@@ -171,12 +166,11 @@ def _die_with_parent() -> None:
 def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, data: Path, timeout_s: float) -> None:
     """Until a Kafka client gets an answer: the port opens a little before the broker serves."""
     deadline = time.monotonic() + timeout_s
-    host, _, port = bootstrap.rpartition(":")
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise BrokerError(f"the broker exited with {process.returncode}; see {data / 'broker.log'}")
         # A refused connection costs a Kafka client a back-off of up to a second; a socket, nothing.
-        if not accepts(host, int(port)):
+        if not broker_reachable(bootstrap, timeout_s=0.5):
             time.sleep(0.05)
             continue
         try:

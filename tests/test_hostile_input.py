@@ -10,10 +10,8 @@ from __future__ import annotations
 import functools
 import io
 import json
-import struct
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -29,6 +27,7 @@ from client.processes import EmbeddedJob, group_rss_mb
 from conf.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message
 from tests.arrow_streams import one_batch_stream
+from tests.forged_images import jpeg_header, png_header
 
 VALID = 1000
 CORRUPT = 1000
@@ -53,24 +52,6 @@ def big_png() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (200, 200)).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A 57-byte PNG claiming width x height RGB pixels: signature, IHDR, an empty IDAT and IEND.
-    A decoder that believed it would allocate width x height x 3 bytes."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
-
-
-def jpeg_header(width: int, height: int) -> bytes:
-    """A JPEG's start, frame header (SOF0, 3 components) and scan header claiming width x height."""
-    frame = struct.pack(">BHHB", 8, height, width, 3) + bytes([1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1])
-    scan = bytes([3, 1, 0, 2, 0x11, 3, 0x11, 0, 0x3F, 0])
-    return (b"\xff\xd8" + b"\xff\xc0" + struct.pack(">H", len(frame) + 2) + frame
-            + b"\xff\xda" + struct.pack(">H", len(scan) + 2) + scan + b"\x00" * 16)
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from client.processes import EmbeddedJob, HttpBridge, write_run_config
 from conf import load_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
-from tests.test_hostile_input import png_header
+from tests.forged_images import png_header
 
 STRINGS = ["come", "on", "united"]
 COMPOSITE = {

@@ -8,7 +8,6 @@ import io
 import struct
 import time
 import warnings
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from connectors.codec import EncodedImage, Message, SparseTensor
 from job.model import InvalidInput
 from job.postprocess import top_n
 from job.preprocess import configure_pillow, decode_image, prepare_values
+from tests.forged_images import jpeg_header, png_header
 from tests.memory import peak_rss_growth_mb
 
 PIXELS = np.random.default_rng(0).integers(0, 256, size=(6, 8, 3), dtype=np.uint8)  # height 6, width 8
@@ -77,22 +77,6 @@ def test_other_formats_are_refused_unparsed(kind: str) -> None:
     Image.fromarray(PIXELS).save(buffer, format=kind)
     with pytest.raises(InvalidInput, match="does not decode: not JPEG or PNG"):
         decode_image("i", buffer.getvalue(), ImageConfig(), 10_000)
-
-
-def png_header(width: int, height: int) -> bytes:
-    """57 bytes of PNG claiming width x height RGB pixels: signature, IHDR, empty IDAT, IEND."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
-
-
-def jpeg_header(width: int, height: int) -> bytes:
-    """A baseline JPEG's markers claiming width x height (SOF0, three components), without data."""
-    sof = struct.pack(">BHHB", 8, height, width, 3) + bytes([1, 0x11, 0, 2, 0x11, 0, 3, 0x11, 0])
-    sos = bytes([3, 1, 0, 2, 0, 3, 0, 0, 63, 0])
-    return (b"\xff\xd8\xff\xc0" + struct.pack(">H", len(sof) + 2) + sof
-            + b"\xff\xda" + struct.pack(">H", len(sos) + 2) + sos + b"\xff\xd9")
 
 
 @pytest.mark.parametrize(

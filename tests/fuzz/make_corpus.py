@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
-import struct
 import sys
 import zlib
 from pathlib import Path
@@ -25,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the project importable
 
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message  # noqa: E402
 from tests.arrow_streams import one_batch_stream, write_stream  # noqa: E402
+from tests.forged_images import png_header  # noqa: E402
 from tests.fuzz.targets import KEY_EMPTY, KEY_LONG, KEY_NONE, KEY_OTHER, KEY_TEXT, KEY_URI, pack_records  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
@@ -38,17 +38,6 @@ def image_bytes(pixels: np.ndarray, fmt: str, mode: str | None = None, **save) -
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **save)
     return buffer.getvalue()
-
-
-def png_chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG that claims width x height RGB pixels and holds one empty IDAT: a pixel bomb's header."""
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b""))
-            + png_chunk(b"IEND", b""))
 
 
 def images() -> dict[str, bytes]:
@@ -69,7 +58,7 @@ def images() -> dict[str, bytes]:
         "refused.gif": image_bytes(PIXELS, "GIF"),
         # Claims 20000x20000: Pillow raises DecompressionBombError from Image.open (not an
         # OSError/ValueError), which decode_image must turn into InvalidInput.
-        "bomb_20000x20000.png": png_header_only(20000, 20000),
+        "bomb_20000x20000.png": png_header(20000, 20000, idat=zlib.compress(b"")),
         "truncated.png": image_bytes(PIXELS, "PNG")[:60],
     }
 
