@@ -40,13 +40,15 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from conf import KAFKA_RECORD_BYTES
-from connectors.admin import broker_reachable
 
 log = logging.getLogger("connectors.local_broker")
 
 READY_PREFIX = "local Kafka broker ready on "
 KAFKA_LIBS = Path(__file__).resolve().parent.parent / "build" / "kafka" / "libs"
 LOOPBACK = "127.0.0.1"
+BROKER_LOG = "broker.log"
+# Logged by this broker once it serves (kafka.server.KafkaRaftServer, kept at INFO below).
+SERVER_STARTED = "Kafka Server started"
 # The JVM's heap: the broker of one developer's topics needs little; Flink shares the machine.
 JVM_OPTIONS = ["-Xms128m", "-Xmx1g", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Djava.awt.headless=true"]
 
@@ -132,7 +134,7 @@ def write_settings(data: Path, port: int) -> Path:
     properties = server_properties(data, port, pick_port())
     path = data / "server.properties"
     path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
-    (data / "log4j2.properties").write_text(LOG4J2.format(log_file=data / "broker.log"))
+    (data / "log4j2.properties").write_text(LOG4J2.format(log_file=data / BROKER_LOG))
     return path
 
 
@@ -163,15 +165,17 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, data: Path, timeout_s: float) -> None:
-    """Until a Kafka client gets an answer: the port opens a little before the broker serves."""
+def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, broker_log: Path, log_from: int,
+                       timeout_s: float) -> None:
+    """Until this broker logs that it started and a Kafka client gets an answer. Its own log line,
+    not an open port, says the broker is ours: another broker starting at the same moment on the
+    same port would answer for it while this one failed to bind."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise BrokerError(f"the broker exited with {process.returncode}; see {data / 'broker.log'}")
-        # A refused connection costs a Kafka client a back-off of up to a second; a socket, nothing.
-        if not broker_reachable(bootstrap, timeout_s=0.5):
-            time.sleep(0.05)
+            raise BrokerError(f"the broker exited with {process.returncode}: {_first_failure(broker_log, log_from)}")
+        if SERVER_STARTED not in _log_since(broker_log, log_from):
+            time.sleep(0.1)
             continue
         try:
             admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
@@ -180,7 +184,25 @@ def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, data: P
             continue
         admin.close()
         return
-    raise BrokerError(f"the broker did not serve within {timeout_s:.0f} s; see {data / 'broker.log'}")
+    raise BrokerError(f"the broker did not serve within {timeout_s:.0f} s; see {broker_log}")
+
+
+def _log_since(broker_log: Path, offset: int) -> str:
+    """What the broker logged in this start (the log is kept across starts)."""
+    try:
+        with broker_log.open("rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _first_failure(broker_log: Path, offset: int) -> str:
+    """The first exception message of this start, e.g. "Socket server failed to bind to
+    127.0.0.1:9092: Address already in use.", and where the rest is."""
+    lines = _log_since(broker_log, offset).splitlines()
+    reason = next((line.split("Exception: ", 1)[1] for line in lines if "Exception: " in line), "no reason logged")
+    return f"{reason} (see {broker_log})"
 
 
 def create_topics(bootstrap: str, topics: list[tuple[str, int]]) -> None:
@@ -209,9 +231,11 @@ def start(data: Path, port: int, fresh: bool, libs: Path = KAFKA_LIBS) -> subpro
     format_storage(data, properties)
     command = java_command("kafka.Kafka", str(properties), data=data, libs=libs)
     log.info("starting Apache Kafka %s (KRaft, one node), data in %s", version, data)
+    broker_log = data / BROKER_LOG
+    log_from = broker_log.stat().st_size if broker_log.exists() else 0
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     try:
-        wait_until_serving(process, f"{LOOPBACK}:{port}", data, timeout_s=60)
+        wait_until_serving(process, f"{LOOPBACK}:{port}", broker_log, log_from, timeout_s=60)
     except BaseException:
         stop(process)
         raise
@@ -278,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     while not stopping and process.poll() is None:
         time.sleep(0.2)
     if not stopping:
-        log.error("the broker exited by itself with %s; see %s", process.returncode, data / "broker.log")
+        log.error("the broker exited by itself with %s; see %s", process.returncode, data / BROKER_LOG)
         return 1
     log.info("stopping the broker")
     code = stop(process)

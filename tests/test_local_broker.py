@@ -161,3 +161,33 @@ def test_a_taken_port_is_one_error_line(tmp_path: Path, broker: LocalBroker) -> 
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"error: 127.0.0.1:{port} is in use; stop what listens there or pick --port"
     assert not (tmp_path / "kafka").exists(), "it touched the data folder before refusing"
+
+
+def test_two_brokers_started_together_on_one_port_one_serves_the_other_fails_in_one_line(tmp_path: Path) -> None:
+    """Started together, both pass the port check while their JVMs start; the one that loses the
+    bind must not take the winner's answers for its own readiness, and says why in one line."""
+    port = free_port()
+    brokers = [LocalBroker(tmp_path / name, port=port, log_path=tmp_path / f"{name}.log") for name in ("a", "b")]
+    failures: dict[int, str] = {}
+
+    def start(index: int) -> None:
+        try:
+            brokers[index].start()
+        except RuntimeError as exc:
+            failures[index] = str(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+            time.sleep(0.3)
+        for thread in threads:
+            thread.join()
+        serving = [broker for broker in brokers if broker.running]
+    finally:
+        for broker in brokers:
+            broker.stop()
+    assert len(serving) == 1 and len(failures) == 1, failures
+    (failure,) = failures.values()
+    error_lines = [line for line in failure.splitlines() if line.startswith("error: ")]
+    assert len(error_lines) == 1 and "in use" in error_lines[0], failure
