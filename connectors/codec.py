@@ -1,6 +1,13 @@
-"""The wire format of requests and results: one Arrow IPC stream per Kafka record.
+"""The wire format of requests and results: one message per Kafka record, in one of two versions.
 
-Format version 1 (the README has the full description):
+Version 2, written for messages of dense numeric tensors only (the common case, and the fast one):
+`CST2`, uint16 uri length, the uri (UTF-8), uint32 layout length, the layout (UTF-8 JSON:
+{"tensors": [[name, dtype, shape], ...]} and, for results, "batch_size" and "inference_us"), then
+each tensor's values, little-endian, C order, back to back in layout order. Decoding is a header
+read and a numpy view per tensor; a batch of results shares one layout, written once.
+
+Version 1, for everything else (strings, images, sparse tensors, errors, top-N results), and read
+for all: one Arrow IPC stream (the README has the full description):
 - schema metadata `cs.version` = "1", `cs.uri` = the request's uri, and for results optionally
   `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in),
   `cs.inference_us` (that batch's inference time in microseconds) and `cs.top_n` (the result is
@@ -20,6 +27,7 @@ and every shape is checked against its payload.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -110,10 +118,13 @@ def dtype_name(array: np.ndarray) -> str:
     return array.dtype.name
 
 
-def encode_message(message: Message) -> bytes:
-    """Serialises a message; refuses dtypes outside the allow-list and inconsistent sparse tensors."""
+def encode_message(message: Message, version: int | None = None) -> bytes:
+    """Serialises a message in `version`, by default version 2 when it can carry the message;
+    refuses dtypes outside the allow-list and inconsistent sparse tensors."""
     if len(message.uri) > MAX_URI_CHARS:
         raise ValueError(f"uri longer than {MAX_URI_CHARS} characters")
+    if version != 1 and _fits_v2(message):
+        return _encode_v2(message)
     fields, columns = [], []
     for name, value in message.tensors.items():
         try:
@@ -191,6 +202,8 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     """Parses and validates a message; every problem raises DecodeError with a readable reason."""
     if len(payload) > max_bytes:
         raise DecodeError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
+    if payload[:4] == V2_MAGIC:
+        return _decode_v2(payload)
     schema, batch = _read_stream(payload, max_bytes)
     try:
         return _message(schema, batch, max_bytes)
@@ -409,3 +422,87 @@ def _shape(name: str, text: str | None) -> tuple[int, ...]:
     ):
         raise DecodeError(f"tensor {name!r}: invalid shape {text!r}")
     return tuple(shape)
+
+
+# Format version 2: dense numeric tensors as raw bytes behind a small header.
+V2_MAGIC = b"CST2"  # an Arrow IPC stream starts with 0xFFFFFFFF: the two never meet
+_V2_URI = struct.Struct("<4sH")
+MAX_LAYOUT_BYTES = 64 * 1024
+
+
+def _fits_v2(message: Message) -> bool:
+    return message.error is None and message.top_n is None and all(
+        isinstance(value, np.ndarray) and value.dtype.name in NUMERIC_DTYPES for value in message.tensors.values()
+    )
+
+
+def _encode_v2(message: Message) -> bytes:
+    uri = message.uri.encode()
+    arrays = [np.asarray(value, value.dtype.newbyteorder("<"), order="C") for value in message.tensors.values()]
+    spec = tuple((name, array.dtype.name, array.shape) for name, array in zip(message.tensors, arrays))
+    layout = _v2_layout(spec, message.batch_size, message.inference_us)
+    return b"".join([_V2_URI.pack(V2_MAGIC, len(uri)), uri, _U32.pack(len(layout)), layout, *arrays])
+
+
+@functools.lru_cache(maxsize=64)
+def _v2_layout(spec: tuple, batch_size: int | None, inference_us: int | None) -> bytes:
+    """The layout JSON of a tensor spec; cached, since a stream of messages repeats a few."""
+    layout: dict = {"tensors": [[name, kind, list(shape)] for name, kind, shape in spec]}
+    for key, item in (("batch_size", batch_size), ("inference_us", inference_us)):
+        if item is not None:
+            layout[key] = item
+    return json.dumps(layout, separators=(",", ":")).encode()
+
+
+def _decode_v2(payload: bytes) -> Message:
+    try:
+        _, uri_length = _V2_URI.unpack_from(payload, 0)
+        at = _V2_URI.size + uri_length
+        uri = str(payload[_V2_URI.size:at], "utf-8")
+        (layout_length,) = _U32.unpack_from(payload, at)
+    except (struct.error, UnicodeDecodeError):
+        raise DecodeError("not a cluster-serving message: a version 2 header cut short or not UTF-8") from None
+    if not uri or len(uri) > MAX_URI_CHARS:
+        raise DecodeError("missing or over-long uri")
+    at += 4
+    if layout_length > MAX_LAYOUT_BYTES or at + layout_length > len(payload):
+        raise DecodeError(f"version 2 layout of {layout_length} bytes does not fit the message")
+    tensors, batch_size, inference_us = _v2_parse_layout(bytes(payload[at:at + layout_length]))
+    at += layout_length
+    needed = sum(nbytes for _, _, _, nbytes in tensors)
+    if needed != len(payload) - at:
+        raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
+    values = {}
+    for name, dtype, shape, nbytes in tensors:
+        values[name] = np.frombuffer(payload, dtype, math.prod(shape), at).reshape(shape)
+        at += nbytes
+    return Message(uri=uri, tensors=values, batch_size=batch_size, inference_us=inference_us)
+
+
+@functools.lru_cache(maxsize=64)
+def _v2_parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int | None, int | None]:
+    """The checked layout: (name, dtype, shape, bytes) per tensor, batch size, inference time.
+    Cached (a failed parse raises and is not), so a stream of like messages parses it once."""
+    try:
+        layout = json.loads(text)
+    except ValueError:
+        raise DecodeError("version 2 layout is not JSON") from None
+    entries = layout.get("tensors") if isinstance(layout, dict) else None
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise DecodeError(f"version 2 layout must list at most {MAX_TENSORS} tensors")
+    tensors = []
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in NUMERIC_DTYPES):
+            raise DecodeError(f"version 2 tensor entry {str(entry)[:100]} is not [name, number dtype, shape]")
+        name, dtype = entry[0], np.dtype(entry[1]).newbyteorder("<")
+        shape = _shape(name, json.dumps(entry[2]))
+        tensors.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+    names = [name for name, *_ in tensors]
+    if len(set(names)) != len(names):
+        raise DecodeError("a tensor name appears more than once")
+    return tensors, _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us")
+
+
+def _layout_count(layout: dict, key: str) -> int | None:
+    item = layout.get(key)
+    return item if isinstance(item, int) and not isinstance(item, bool) and 0 <= item < 2**63 else None

@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pyflink.common import Row
 from pyflink.datastream import MapFunction, RuntimeContext
 
 from conf import LimitsConfig, PreprocessConfig
 from connectors.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
+from job.frames import read_frame
 from job.model import InvalidInput
 from job.preprocess import configure_pillow, prepare_values
 
@@ -27,7 +27,7 @@ class DecodedBatch:
 
 
 def decode_records(
-    records: list[Row], limits: LimitsConfig, preprocess: PreprocessConfig
+    records: list[tuple[str | None, bytes]], limits: LimitsConfig, preprocess: PreprocessConfig
 ) -> tuple[DecodedBatch, int]:
     """Returns the decoded batch and how many records were dropped for lack of a uri to answer.
 
@@ -75,7 +75,8 @@ def _reason(exc: Exception) -> str:
 
 
 class DecodeBatch(MapFunction):
-    """The Flink stage around `decode_records`, counting decode errors for the Flink UI."""
+    """The Flink stage around `decode_records`: a frame of raw records in (job/frames.py), decode
+    errors counted for the Flink UI."""
 
     def __init__(self, limits: LimitsConfig, preprocess: PreprocessConfig):
         self.limits = limits
@@ -87,8 +88,9 @@ class DecodeBatch(MapFunction):
         self.records_in = group.counter("requests")
         self.decode_errors = group.counter("decodeErrors")
 
-    def map(self, value: list[Row]) -> DecodedBatch:
-        batch, dropped = decode_records(value, self.limits, self.preprocess)
-        self.records_in.inc(len(value))
+    def map(self, value: bytes) -> DecodedBatch:
+        records = read_frame(value)
+        batch, dropped = decode_records(records, self.limits, self.preprocess)
+        self.records_in.inc(len(records))
         self.decode_errors.inc(len(batch.rejected) + dropped)
         return batch

@@ -1,15 +1,13 @@
-"""Encoding: results -> Row(uri, result message bytes) for the Kafka sink."""
+"""Encoding: results -> one frame of (uri, result message bytes), split into Kafka records in the JVM."""
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
-
-from pyflink.common import Row
-from pyflink.datastream import FlatMapFunction
+from pyflink.datastream import MapFunction
 
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import Message, encode_message
+from job.frames import write_frame
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +33,6 @@ def _refused(uri: str, reason: str) -> bytes:
     return encode_message(Message(uri, error=reason))
 
 
-class EncodeResults(FlatMapFunction):
-    def flat_map(self, value: list[Message]) -> Iterable[Row]:
-        for result in value:
-            yield Row(result.uri, encode_result(result))
+class EncodeResults(MapFunction):
+    def map(self, value: list[Message]) -> bytes:
+        return write_frame((result.uri, encode_result(result)) for result in value)

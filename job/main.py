@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from py4j.java_gateway import JavaObject
-from pyflink.common import Configuration, Types, WatermarkStrategy
+from pyflink.common import Configuration, WatermarkStrategy
 from pyflink.common.job_client import JobClient
 from pyflink.datastream import StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
 from connectors.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
-from job.batch import MAX_PARALLELISM, BatchKey, MicroBatcher, subtask_keys  # noqa: E402
+from job.batch import FRAME, MAX_PARALLELISM, micro_batches, split_results  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
@@ -100,13 +100,13 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
     requests = env.from_source(
         request_source(config.kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
     )
-    results = (
-        requests.key_by(BatchKey(subtask_keys(config.flink.parallelism)), key_type=Types.INT())
-        .process(MicroBatcher(config.batching)).name("micro-batch").uid("micro-batch")
-        .map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
+    batches = micro_batches(requests, config.batching, config.flink.parallelism).name("micro-batch").uid("micro-batch-jvm")
+    frames = (
+        batches.map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
         .map(InferBatch(config.model, config.device, config.postprocess, config.testing, config.flink)).name("infer").uid("infer")
-        .flat_map(EncodeResults(), output_type=KEYED_BYTES).name("encode").uid("encode")
+        .map(EncodeResults(), output_type=FRAME).name("encode").uid("encode")
     )
+    results = split_results(frames, KEYED_BYTES).name("split results").uid("split-results")
     results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
 
 

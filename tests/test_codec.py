@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from connectors.codec import (
+    V2_MAGIC,
     END_OF_STREAM,
     NUMERIC_DTYPES,
     DecodeError,
@@ -36,11 +37,14 @@ LIMIT = 1 << 24
 @given(
     dtype=st.sampled_from(sorted(NUMERIC_DTYPES)),
     shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=5),
+    version=st.sampled_from([1, 2]),
     data=st.data(),
 )
-def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], data: st.DataObject) -> None:
+def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], version: int, data: st.DataObject) -> None:
     array = data.draw(hnp.arrays(np.dtype(dtype), shape))
-    decoded = decode_message(encode_message(Message("uri-1", {"t": array})), LIMIT)
+    payload = encode_message(Message("uri-1", {"t": array}), version=version)
+    assert payload.startswith(V2_MAGIC) == (version == 2)
+    decoded = decode_message(payload, LIMIT)
     assert decoded.uri == "uri-1"
     out = decoded.tensors["t"]
     assert out.dtype == array.dtype and out.shape == array.shape
@@ -161,6 +165,49 @@ def test_refuses_bad_payloads(payload: bytes, reason: str) -> None:
         decode_message(payload, LIMIT)
 
 
+def _v2(layout: object, values: bytes = b"\x00" * 8, uri: bytes = b"u") -> bytes:
+    text = layout if isinstance(layout, bytes) else json.dumps(layout).encode()
+    return V2_MAGIC + struct.pack("<H", len(uri)) + uri + struct.pack("<I", len(text)) + text + values
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (V2_MAGIC + b"\x05", "header cut short"),
+        (_v2({"tensors": [["t", "float32", [2]]]}, uri=b"\xff\xfe"), "not UTF-8"),
+        (_v2({"tensors": [["t", "float32", [2]]]}, uri=b""), "uri"),
+        (V2_MAGIC + struct.pack("<H", 1) + b"u" + struct.pack("<I", 1 << 30), "does not fit"),
+        (_v2(b"{not json"), "not JSON"),
+        (_v2([1, 2]), "at most 64"),
+        (_v2({"tensors": [["t", "float32", [2]]] * 65}), "at most 64"),
+        (_v2({"tensors": [["t", "object", [2]]]}), "number dtype"),
+        (_v2({"tensors": [["t", "str", [2]]]}), "number dtype"),
+        (_v2({"tensors": [[1, "float32", [2]]]}), "name, number dtype"),
+        (_v2({"tensors": [["t", "float32", [-2]]]}), "invalid shape"),
+        (_v2({"tensors": [["t", "float32", [True, 2]]]}), "invalid shape"),
+        (_v2({"tensors": [["t", "float32", [1] * 17]]}), "invalid shape"),
+        (_v2({"tensors": [["t", "float32", [3]]]}), "needs 12 bytes"),
+        (_v2({"tensors": [["t", "float32", [1]]]}), "needs 4 bytes"),
+        (_v2({"tensors": [["t", "float32", [2**31 - 1, 2**31 - 1]]]}), "needs"),
+        (_v2({"tensors": [["t", "float32", [1]], ["t", "int32", [1]]]}), "more than once"),
+    ],
+)
+def test_refuses_bad_version_2_payloads(payload: bytes, reason: str) -> None:
+    with pytest.raises(DecodeError, match=reason):
+        decode_message(payload, LIMIT)
+
+
+def test_version_2_result_fields_round_trip_and_layouts_are_shared() -> None:
+    """Results of one batch share their layout bytes: a reader parses it once."""
+    rows = [Message(f"r{i}", {"p": np.full(3, i, np.float32)}, batch_size=2, inference_us=7) for i in range(2)]
+    payloads = [encode_message(row) for row in rows]
+    layout = payloads[0][len(V2_MAGIC) + 2 + 2:-12]
+    assert layout == payloads[1][len(V2_MAGIC) + 2 + 2:-12] and b'"batch_size":2' in layout
+    decoded = decode_message(payloads[1], LIMIT)
+    assert (decoded.uri, decoded.batch_size, decoded.inference_us) == ("r1", 2, 7)
+    assert decoded.tensors["p"].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_refuses_truncated_and_oversized() -> None:
     payload = encode_message(Message("u", {"t": np.ones(100, np.float32)}))
     with pytest.raises(DecodeError):
@@ -178,7 +225,7 @@ def test_non_native_byte_order_round_trips_by_value() -> None:
 
 def test_encoding_matches_the_arrow_stream_writer() -> None:
     """The hand-assembled stream is byte for byte what pyarrow's stream writer produces."""
-    payload = encode_message(Message("u", {"t": np.arange(5, dtype=np.int64)}))
+    payload = encode_message(Message("u", {"t": np.arange(5, dtype=np.int64)}), version=1)
     with pa.ipc.open_stream(payload) as reader:
         schema, batches = reader.schema, list(reader)
     assert write_stream(schema, batches) == payload
@@ -210,7 +257,7 @@ def test_refuses_forged_sparse(payload: bytes, reason: str) -> None:
 
 def test_refuses_names_that_are_not_utf8() -> None:
     """pyarrow reads names as UTF-8 only when asked for them, and raises UnicodeDecodeError then."""
-    payload = encode_message(Message("u", {"x" * 8: np.ones(2, np.float32)}))
+    payload = encode_message(Message("u", {"x" * 8: np.ones(2, np.float32)}), version=1)
     with pytest.raises(DecodeError, match="a name in its schema is not UTF-8"):
         decode_message(payload.replace(b"x" * 8, b"\xff" * 8), LIMIT)
 
