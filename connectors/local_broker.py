@@ -151,7 +151,9 @@ def format_storage(data: Path, properties: Path) -> None:
     if (data / "log" / "meta.properties").exists():
         return
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
-    command = java_command("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), data=data)
+    # `--cluster-id=ID` in one argument: an id may start with '-' (a 1 in 64 chance), which the
+    # tool's parser took for an option ("argument --cluster-id/-t: expected one argument").
+    command = java_command("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(properties), data=data)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise BrokerError(f"formatting {data / 'log'} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
