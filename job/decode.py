@@ -50,7 +50,8 @@ def decode_records(
                 dropped += 1
             continue
         try:
-            message.tensors = prepare_values(message.tensors, preprocess.images, limits)
+            if message.layout_key is None:  # format v2 holds only dense tensors: nothing to prepare
+                message.tensors = prepare_values(message.tensors, preprocess.images, limits)
         except Exception as exc:
             rejected.append(error_result(message.uri, "invalid input", exc))
             continue

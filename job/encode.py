@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Iterator
+
 from pyflink.datastream import MapFunction
 
 from conf import KAFKA_RECORD_BYTES
-from connectors.codec import Message, encode_message
+from connectors.codec import Message, encode_message, encode_rows
 from job.frames import write_frame
+from job.infer import Outcome, Rows
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +26,27 @@ def encode_result(result: Message) -> bytes:
         payload = encode_message(result)
     except ValueError as exc:
         return _refused(result.uri, f"result not encodable: {exc}")
+    return _within_limit(result.uri, payload)
+
+
+def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
+    """(uri, result bytes) for every request of the batch; the rows of a stacked run are written
+    together (encode_rows), each row checked as encode_result checks one."""
+    for outcome in outcomes:
+        if not isinstance(outcome, Rows):
+            yield outcome.uri, encode_result(outcome)
+            continue
+        try:
+            payloads = encode_rows(outcome.uris, outcome.outputs, len(outcome.uris), outcome.inference_us)
+        except ValueError:  # an output the format cannot carry: each request says so
+            payloads = [encode_result(message) for message in outcome.messages()]
+        for uri, payload in zip(outcome.uris, payloads):
+            yield uri, _within_limit(uri, payload)
+
+
+def _within_limit(uri: str, payload: bytes) -> bytes:
     if len(payload) > MAX_RESULT_BYTES:
-        return _refused(result.uri, f"result of {len(payload)} bytes is over the limit of {MAX_RESULT_BYTES}")
+        return _refused(uri, f"result of {len(payload)} bytes is over the limit of {MAX_RESULT_BYTES}")
     return payload
 
 
@@ -34,5 +56,5 @@ def _refused(uri: str, reason: str) -> bytes:
 
 
 class EncodeResults(MapFunction):
-    def map(self, value: list[Message]) -> bytes:
-        return write_frame((result.uri, encode_result(result)) for result in value)
+    def map(self, value: list[Outcome]) -> bytes:
+        return write_frame(encode_outcomes(value))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,40 +24,76 @@ log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]
 
 
+@dataclass
+class Rows:
+    """The results of one stacked run: row i of every output belongs to uris[i]. Kept stacked so
+    that the encoder writes them without splitting them into per-request dicts."""
+
+    uris: list[str]
+    outputs: dict[str, np.ndarray]
+    inference_us: int | None = None
+
+    def messages(self) -> list[Message]:
+        return [
+            Message(uri, {name: value[i] for name, value in self.outputs.items()}, batch_size=len(self.uris),
+                    inference_us=self.inference_us)
+            for i, uri in enumerate(self.uris)
+        ]
+
+
+Outcome = Message | Rows
+
+
+def as_messages(outcomes: list[Outcome]) -> list[Message]:
+    """One message per request: what postprocessing and tests read."""
+    return [message for outcome in outcomes for message in (outcome.messages() if isinstance(outcome, Rows) else [outcome])]
+
+
 def signature(feed: Feed) -> tuple:
     """Instances with equal signatures can be stacked into one run."""
     return tuple((name, value.shape, value.dtype.str) for name, value in feed.items())
 
 
-def predict(model: OnnxModel, instances: list[Message]) -> list[Message]:
-    """One result per request, in no particular order."""
-    outcomes: list[Message] = []
-    groups: dict[tuple, list[tuple[str, Feed]]] = {}
+def predict(model: OnnxModel, instances: list[Message]) -> list[Outcome]:
+    """The outcomes of a batch's requests, in no particular order. Requests in format v2 with the
+    same layout have the same names, dtypes and shapes: the first is checked for all of them."""
+    outcomes: list[Outcome] = []
+    groups: dict[object, list[tuple[str, Feed]]] = {}
+    verdicts: dict[bytes, Exception | None] = {}  # layout -> why it does not fit the model, or None
     for instance in instances:
+        key = instance.layout_key
+        if key is not None and key in verdicts:
+            if verdicts[key] is not None:
+                outcomes.append(error_result(instance.uri, "invalid input", verdicts[key]))
+            else:
+                groups[key].append((instance.uri, instance.tensors))
+            continue
         try:
             feed = model.prepare(instance.tensors)
         except Exception as exc:  # InvalidInput, or one no check foresaw: this request's alone
+            if key is not None:
+                verdicts[key] = exc
             outcomes.append(error_result(instance.uri, "invalid input", exc))
             continue
-        groups.setdefault(signature(feed), []).append((instance.uri, feed))
+        if key is not None:
+            verdicts[key] = None
+        groups.setdefault(key if key is not None else signature(feed), []).append((instance.uri, feed))
     for group in groups.values():
         outcomes.extend(_run_group(model, group))
     return outcomes
 
 
-def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Message]:
+def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]:
     try:
-        results = model.run([feed for _, feed in group])
+        if not model.batched:
+            return [Message(uri, tensors=model.run_one(feed), batch_size=1) for uri, feed in group]
+        return [Rows([uri for uri, _ in group], model.run_stacked([feed for _, feed in group]))]
     except Exception as exc:
         if len(group) > 1:
             # Find the instance that broke the run; its neighbours still get results.
             return [outcome for member in group for outcome in _run_group(model, [member])]
         log.warning("uri=%s inference failed: %s", group[0][0], exc)
         return [Message(uri=group[0][0], error=f"inference failed: {exc}")]
-    return [
-        Message(uri=uri, tensors=outputs, batch_size=len(group))
-        for (uri, _), outputs in zip(group, results)
-    ]
 
 
 class InferBatch(MapFunction):
@@ -83,7 +120,7 @@ class InferBatch(MapFunction):
         self.inference_errors = group.counter("inferenceErrors")
         self.batches = 0
 
-    def map(self, value: DecodedBatch) -> list[Message]:
+    def map(self, value: DecodedBatch) -> list[Outcome]:
         self.batches += 1
         if self.batches == self.fail_at_batch and not self.failed_marker.exists():
             self.failed_marker.parent.mkdir(parents=True, exist_ok=True)
@@ -96,9 +133,9 @@ class InferBatch(MapFunction):
             self.batch_sizes.update(len(value.instances))
             self.inference_us.update(elapsed_us)
             for outcome in outcomes:  # what the HTTP bridge reports as the job's inference time
-                if outcome.error is None:
+                if isinstance(outcome, Rows) or outcome.error is None:
                     outcome.inference_us = elapsed_us
         if self.top_n:
-            outcomes = [top_n(outcome, self.top_n) for outcome in outcomes]
-        self.inference_errors.inc(sum(1 for outcome in outcomes if outcome.error))
+            outcomes = [top_n(message, self.top_n) for message in as_messages(outcomes)]
+        self.inference_errors.inc(sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error))
         return value.rejected + outcomes

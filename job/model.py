@@ -108,16 +108,23 @@ class OnnxModel:
             raise InvalidInput(f"input {spec.name!r}: expects {spec.dtype}, got {value.dtype}")
         return value.astype(spec.dtype, copy=False)
 
-    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Runs prepared instances of one shape signature; batched models get one stacked run."""
-        if not self.batched:
-            return [dict(zip(self.output_names, self.session.run(self.output_names, feed))) for feed in feeds]
-        stacked = {name: np.stack([feed[name] for feed in feeds]) for name in feeds[0]}
+    def run_stacked(self, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One run of instances that share a shape signature, stacked along a new first dimension
+        and cast to the model's dtypes (a no-op for prepared ones); row i of each output belongs to
+        feeds[i]. Batched models only."""
+        stacked = {
+            spec.name: np.stack([feed[spec.name] for feed in feeds]).astype(spec.dtype, copy=False)
+            for spec in self.inputs
+        }
         outputs = self.session.run(self.output_names, stacked)
         for name, value in zip(self.output_names, outputs):
             if value.ndim == 0 or value.shape[0] != len(feeds):
                 raise ModelError(f"output {name!r} does not keep the batch dimension")
-        return [{name: value[i] for name, value in zip(self.output_names, outputs)} for i in range(len(feeds))]
+        return dict(zip(self.output_names, outputs))
+
+    def run_one(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One prepared instance, as it is: for models without a free batch dimension."""
+        return dict(zip(self.output_names, self.session.run(self.output_names, feed)))
 
     def _input_names(self) -> str:
         return ", ".join(spec.name for spec in self.inputs)

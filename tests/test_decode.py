@@ -20,8 +20,12 @@ URIS = ["a", "boom", "b"]
 
 
 def records(*extra: Row) -> list[Row]:
-    """One valid request per uri of URIS, x filled with the uri's index, then `extra`."""
-    valid = [Row(uri, encode_message(Message(uri, {"x": np.full(3, i, np.float32)}))) for i, uri in enumerate(URIS)]
+    """One valid request per uri of URIS, x filled with the uri's index, then `extra`. Format 1:
+    the decoder prepares its values (format 2 holds only dense tensors, which need no preparing)."""
+    valid = [
+        Row(uri, encode_message(Message(uri, {"x": np.full(3, i, np.float32)}), version=1))
+        for i, uri in enumerate(URIS)
+    ]
     return valid + list(extra)
 
 

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from connectors.codec import Message
-from job.infer import predict
+from job.infer import as_messages, predict
 from job.model import ModelError, OnnxModel
 from tests.onnx_models import graph_model
 
@@ -47,7 +47,7 @@ def by_uri(results: list[Message]) -> dict[str, Message]:
 
 def test_a_failing_request_does_not_fail_its_batch(lookup_model: OnnxModel) -> None:
     rows = [3, 99, 0, 7]  # 99 is out of range
-    results = by_uri(predict(lookup_model, [Message(f"r{i}", {"row": np.array(row)}) for i, row in enumerate(rows)]))
+    results = by_uri(as_messages(predict(lookup_model, [Message(f"r{i}", {"row": np.array(row)}) for i, row in enumerate(rows)])))
     assert "inference failed" in results["r1"].error
     for i in (0, 2, 3):
         np.testing.assert_array_equal(results[f"r{i}"].tensors["values"], TABLE[rows[i]])
@@ -62,7 +62,7 @@ def test_requests_are_stacked_and_checked(lookup_model: OnnxModel) -> None:
         Message("missing", {}),
         Message("extra", {"row": np.array(1), "other": np.array(2)}),
     ]
-    results = by_uri(predict(lookup_model, requests))
+    results = by_uri(as_messages(predict(lookup_model, requests)))
     for i in range(5):
         assert results[f"ok{i}"].batch_size == 5
         np.testing.assert_array_equal(results[f"ok{i}"].tensors["values"], TABLE[i])
@@ -100,7 +100,7 @@ GOOD = {"f": np.array([1.5, -2.0], np.float32), "i": np.array([3, 4], np.int64),
      ("i", np.array([3, 4], np.uint8)), ("i", np.array([3, 4], np.uint32))],
 )
 def test_casts_within_a_kind_are_served(kinds_model: OnnxModel, name: str, value: np.ndarray) -> None:
-    result = predict(kinds_model, [Message("u", {**GOOD, name: value})])[0]
+    result = as_messages(predict(kinds_model, [Message("u", {**GOOD, name: value})]))[0]
     assert result.error is None
     assert result.tensors[f"{name}_out"].dtype == GOOD[name].dtype
     np.testing.assert_array_equal(result.tensors[f"{name}_out"], GOOD[name])
@@ -116,7 +116,7 @@ def test_casts_within_a_kind_are_served(kinds_model: OnnxModel, name: str, value
 )
 def test_casts_across_kinds_are_refused(kinds_model: OnnxModel, name: str, value: np.ndarray, got: str) -> None:
     """numpy's "same_kind" would take int32, bool and uint64 as float32; the README promises not."""
-    result = predict(kinds_model, [Message("u", {**GOOD, name: value})])[0]
+    result = as_messages(predict(kinds_model, [Message("u", {**GOOD, name: value})]))[0]
     want = GOOD[name].dtype
     assert result.error == f"invalid input: input {name!r}: expects {want}, got {got}"
 
@@ -132,7 +132,7 @@ def test_an_unexpected_exception_preparing_one_request_fails_only_that_request(
         return real(tensors)
 
     monkeypatch.setattr(lookup_model, "prepare", prepare)
-    results = by_uri(predict(lookup_model, [Message(f"r{row}", {"row": np.array(row)}) for row in (4, 5, 6)]))
+    results = by_uri(as_messages(predict(lookup_model, [Message(f"r{row}", {"row": np.array(row)}) for row in (4, 5, 6)])))
     assert results["r5"].error == "invalid input: IndexError: a bug in preparing"
     for row in (4, 6):
         np.testing.assert_array_equal(results[f"r{row}"].tensors["values"], TABLE[row])
