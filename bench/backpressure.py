@@ -84,7 +84,8 @@ class Sampler(threading.Thread):
 def latency_probe(config: ServingConfig, reader: ResultReader, prefix: str, sent: dict[str, float]) -> str:
     """Enqueue -> result latency of a few paced requests; the reader stamps results while they are sent."""
     uris = [f"{prefix}-{i}" for i in range(PROBES)]
-    sender = threading.Thread(target=enqueue_all, args=(config, uris, np.ones((1, FEATURES), np.float32), PROBE_RATE, sent))
+    probe = np.ones((1, FEATURES), np.float32)
+    sender = threading.Thread(target=enqueue_all, args=(config, uris, "features", probe, PROBE_RATE, sent))
     sender.start()
     reader.read_until(uris, timeout=300)
     sender.join()
@@ -94,14 +95,14 @@ def latency_probe(config: ServingConfig, reader: ResultReader, prefix: str, sent
 def run(config: ServingConfig, job: EmbeddedJob, duration: float, factor: float, capacity: float) -> dict:
     """The burst against a running job; returns the figures."""
     features = np.random.default_rng(0).normal(size=(256, FEATURES)).astype(np.float32)
-    reader, sent = ResultReader(config), {}
+    reader, sent = ResultReader(config.kafka.bootstrap_servers, config.kafka.result_topic), {}
     before = latency_probe(config, reader, "before", sent)
     sampler = Sampler(job.process.pid, config)
     sampler.start()
     rate = factor * capacity
     burst = [f"burst-{i}" for i in range(int(rate * duration))]
     started = time.perf_counter()
-    enqueue_all(config, burst, features, rate, sent)
+    enqueue_all(config, burst, "features", features, rate, sent)
     sending = time.perf_counter() - started
     reader.read_until(burst, timeout=duration * factor * 4 + 120)
     drained = time.perf_counter() - started

@@ -1,17 +1,25 @@
-"""End-to-end benchmark: the serving job against raw ONNX Runtime on the same model, in one run.
+"""End-to-end benchmark: the serving job against raw ONNX Runtime and a plain consumer loop.
 
-    cluster-serving bench --requests 5000 --batch-size 32 --hidden 256
+Two models, one run, one table (and with --json, the same figures as JSON):
 
-Four figures, all measured in this run on this machine:
-1. capacity: N requests are put on the input topic before the job starts; the job then drains
-   that backlog as fast as it can, timed by the result topic's end offsets (read every 20 ms, so
-   the client's own decoding speed is not in the figure; the rate counts from the first reading
-   past a warm-up share of the backlog, which absorbs start-up, to the last);
-2. latency: requests sent through InputQueue at a steady --rate, enqueue -> result read;
-3. HTTP: --http-clients concurrent clients, each sending one-instance POST /predict requests over
-   a kept-alive connection to the HTTP bridge: throughput and latency as the clients see them;
-4. raw ONNX Runtime: a plain session fed ready batches of --batch-size, same model and provider.
-The ratios printed are capacity / raw ONNX Runtime and HTTP throughput / raw ONNX Runtime.
+    cluster-serving bench [--models mlp,cnn] [--batch-size 32] [--http-clients 1,8,32] [--json PATH]
+
+For each model (bench/models.py: the sample classifier, 64-byte requests; a small CNN, 48 KiB
+requests), all measured in this run on this machine:
+1. raw ONNX Runtime: a plain session (same model and device choice as the job's) fed ready
+   batches of 1 and of --batch-size: the ceiling of what serving can reach;
+2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
+   on the same backlog, timed the same way as the job;
+3. the job: capacity = the rate at which it drains a backlog put on the input topic before it
+   starts, timed by the result topic's end offsets (read every 20 ms, so the client's own decoding
+   speed is not in the figure; counted from the first reading past a warm-up share of the backlog,
+   which absorbs start-up, to the last); then latency (enqueue -> result read) of requests paced
+   at half that capacity (or --rate);
+4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
+   requests over a kept-alive connection to the bridge: throughput and latency as they see them;
+5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush).
+Ratios: job capacity / raw ORT at --batch-size, job capacity / plain loop, HTTP at the most clients
+/ raw ORT at --batch-size. In the JSON, rates are requests per second and latencies milliseconds.
 """
 
 from __future__ import annotations
@@ -19,23 +27,47 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 from kafka import KafkaConsumer, TopicPartition
 
-from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from bench.baseline import READY_LINE as PLAIN_LOOP_READY
+from bench.models import BenchModel, bench_models
+from client.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
 from conf import ServingConfig, load_config
-from conf.sample_model import FEATURES, build_sample_model
 from connectors.admin import ensure_topics
 from connectors.codec import decode_message
-from job.model import open_session
+from job.model import ORT_DTYPES, open_session
+
+# Distinct instances per model; requests cycle through them (a CNN backlog would otherwise be
+# 100 MB of client memory).
+SAMPLES = 64
+# Distinct /predict bodies, encoded before the clients start so their JSON encoding is not timed.
+HTTP_BODIES = 16
+# Untimed /predict calls first: the bridge's first request connects its producer and reader.
+HTTP_WARMUP = 8
+# Requests of an HTTP phase at least, whatever the client count: p99 of 20 requests is their maximum.
+HTTP_MIN_REQUESTS = 100
+# The paced phase runs at this share of the measured capacity: loaded, not saturated.
+LATENCY_LOAD = 0.5
+DRAIN_TIMEOUT_S = 900.0
+DEFAULT_HIDDEN = 256
 
 
 @dataclass
@@ -46,25 +78,24 @@ class Arrival:
 
 
 class ResultReader:
-    """Reads the result topic from its start and stamps when each uri's result arrived."""
+    """Reads a result topic from its start and stamps when each uri's result arrived."""
 
-    def __init__(self, config: ServingConfig):
-        kafka = config.kafka
-        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers)
-        partitions = self.consumer.partitions_for_topic(kafka.result_topic)
-        self.consumer.assign([TopicPartition(kafka.result_topic, p) for p in partitions])
+    def __init__(self, bootstrap_servers: str, topic: str):
+        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+        partitions = self.consumer.partitions_for_topic(topic)
+        self.consumer.assign([TopicPartition(topic, p) for p in partitions])
         self.consumer.seek_to_beginning()
         self.arrivals: dict[str, Arrival] = {}
         self.duplicates = 0
 
-    def drain_rate(self, start: int, end: int, timeout: float) -> float:
+    def drain_rate(self, start: int, end: int, alive: Callable[[], bool]) -> float:
         """Results per second while the result topic grew past `start` records up to `end`, from
-        the counts actually read at both ends: the job may be far past `start` at the first
-        reading (NaN when it never reached `end`)."""
-        deadline = time.monotonic() + timeout
+        the counts actually read at both ends: the server may be far past `start` at the first
+        reading. NaN when it never reached `end`, or when the server stopped being `alive` first."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         partitions = list(self.consumer.assignment())
         first: tuple[float, int] | None = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and alive():
             total, now = sum(self.consumer.end_offsets(partitions).values()), time.perf_counter()
             if first is None and total >= start:
                 first = (now, total)
@@ -86,9 +117,26 @@ class ResultReader:
                     self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None)
 
 
-def enqueue_all(config: ServingConfig, uris: list[str], features: np.ndarray, rate: float,
+class PlainLoop(ChildProcess):
+    """bench/baseline.py in a process of its own, as a user's loop would run: it does not share
+    the benchmark's interpreter (and GIL) with the reader that times it."""
+
+    module = "bench.baseline"
+    ready_pattern = re.compile(re.escape(PLAIN_LOOP_READY))
+
+    def __init__(self, config_path: Path, result_topic: str, log_path: Path):
+        super().__init__(["--config", str(config_path), "--result-topic", result_topic], log_path)
+
+
+def progress(model: str, text: str) -> None:
+    """One line per phase as it starts: a full run takes minutes."""
+    print(f"[bench] {model}: {text}", file=sys.stderr, flush=True)
+
+
+def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float,
                 sent: dict[str, float]) -> None:
-    """Sends one request per uri, at `rate` per second or as fast as possible (rate 0)."""
+    """Sends one request per uri (input `name`, cycling through `samples`), at `rate` per second
+    or as fast as possible (rate 0), with InputQueue.enqueue and one flush at the end."""
     interval = 1.0 / rate if rate else 0.0
     started = time.perf_counter()
     with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
@@ -96,11 +144,27 @@ def enqueue_all(config: ServingConfig, uris: list[str], features: np.ndarray, ra
             if interval:
                 time.sleep(max(0.0, started + i * interval - time.perf_counter()))
             sent[uri] = time.perf_counter()
-            inputs.enqueue(uri, features=features[i % len(features)])
+            inputs.enqueue(uri, **{name: samples[i % len(samples)]})
         inputs.flush()
 
 
-def http_load(url: str, features: np.ndarray, clients: int, requests: int) -> dict[str, float | str]:
+def latency_ms(values: list[float]) -> dict[str, float]:
+    """p50, p95 and p99 of latencies in milliseconds (NaN without values)."""
+    points = np.percentile(values, [50, 95, 99]) if values else [float("nan")] * 3
+    return {"p50_ms": float(points[0]), "p95_ms": float(points[1]), "p99_ms": float(points[2])}
+
+
+def percentiles(values: list[float]) -> str:
+    q = latency_ms(values)
+    return f"p50 {q['p50_ms']:.1f} ms, p95 {q['p95_ms']:.1f} ms, p99 {q['p99_ms']:.1f} ms"
+
+
+def predict_bodies(model: BenchModel, samples: np.ndarray) -> list[str]:
+    """One-instance /predict bodies as a user sends them: the tensor as nested JSON lists."""
+    return [json.dumps({"instances": [{model.input_name: sample.tolist()}]}) for sample in samples[:HTTP_BODIES]]
+
+
+def http_load(url: str, bodies: list[str], clients: int, requests: int) -> dict[str, Any]:
     """`clients` threads share `requests` one-instance /predict calls; every answer must be a 200."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
@@ -109,9 +173,8 @@ def http_load(url: str, features: np.ndarray, clients: int, requests: int) -> di
     def client(index: int) -> None:
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
         for i in range(index, requests, clients):
-            body = json.dumps({"instances": [{"features": features[i % len(features)].tolist()}]})
             started = time.perf_counter()
-            connection.request("POST", "/predict", body, {"Content-Type": "application/json"})
+            connection.request("POST", "/predict", bodies[i % len(bodies)], {"Content-Type": "application/json"})
             response = connection.getresponse()
             answer = response.read()
             latencies.append((time.perf_counter() - started) * 1000)
@@ -126,120 +189,321 @@ def http_load(url: str, features: np.ndarray, clients: int, requests: int) -> di
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    return {"http_rate": len(latencies) / elapsed, "http_latency": percentiles(latencies), "http_failures": len(failures)}
+    return {"requests": requests, "rate": len(latencies) / elapsed, **latency_ms(latencies), "failures": len(failures)}
+
+
+def ready_batch(session: ort.InferenceSession, batch_size: int) -> dict[str, np.ndarray]:
+    """Random feeds of `batch_size` instances for every input of the session (fixed instance shapes)."""
+    rng = np.random.default_rng(1)
+    return {
+        node.name: rng.normal(size=(batch_size, *node.shape[1:])).astype(ORT_DTYPES[node.type])
+        for node in session.get_inputs()
+    }
 
 
 def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, seconds: float = 2.0) -> float:
     """Requests per second of a plain InferenceSession fed ready batches (no Kafka, no Flink),
     run for `seconds`: a fixed number of runs of a small model lasts milliseconds and is noise."""
-    batch = np.random.default_rng(1).normal(size=(batch_size, FEATURES)).astype(np.float32)
+    feeds = ready_batch(session, batch_size)
     warm_until = time.perf_counter() + seconds / 10  # first runs are slower (allocation, caches)
     while time.perf_counter() < warm_until:
-        session.run(None, {"features": batch})
+        session.run(None, feeds)
     runs, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds:
-        session.run(None, {"features": batch})
+        session.run(None, feeds)
         runs += 1
     return runs * batch_size / elapsed
 
 
-def percentiles(values: list[float]) -> str:
-    p50, p95, p99 = np.percentile(values, [50, 95, 99]) if values else (float("nan"),) * 3
-    return f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, p99 {p99:.1f} ms"
+def timed_drain(reader: ResultReader, server: ChildProcess, start: int, end: int) -> float:
+    """Starts `server` while `reader` already watches its result topic: start() returns once the
+    server is ready, and a fast one can drain much of the backlog by then. The caller stops it."""
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(server.start)
+        rate = reader.drain_rate(start, end, lambda: not starting.done() or server.running)
+        starting.result()  # a server that did not start raises here, with its log
+    if math.isnan(rate):
+        raise RuntimeError(f"{server.module} did not write {end} results:\n{server.log_tail()}")
+    return rate
 
 
-def measure(config_path: Path, folder: Path, args: argparse.Namespace) -> dict[str, float | str]:
-    config = load_config(config_path)
-    ensure_topics(config.kafka)
-    features = np.random.default_rng(0).normal(size=(1000, FEATURES)).astype(np.float32)
-    warmup = [f"warmup-{i}" for i in range(args.warmup)]
-    backlog = [f"backlog-{i}" for i in range(args.requests)]
-    sent: dict[str, float] = {}
-    started = time.perf_counter()
-    enqueue_all(config, warmup + backlog, features, 0.0, sent)
-    enqueue_rate = len(sent) / (time.perf_counter() - started)
-
-    reader = ResultReader(config)
-    job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job.log")
+def plain_loop_rate(config_path: Path, config: ServingConfig, topic: str, start: int, end: int,
+                    log_path: Path) -> float:
+    """Drain rate of the plain loop over the backlog already on the input topic, run while
+    nothing else serves, so it has the cores to itself as the job will."""
+    loop = PlainLoop(config_path, topic, log_path)
     try:
-        job.start()
-        capacity = reader.drain_rate(len(warmup), len(warmup) + len(backlog), timeout=900)
+        return timed_drain(ResultReader(config.kafka.bootstrap_servers, topic), loop, start, end)
+    finally:
+        loop.stop()
+
+
+def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str]) -> dict[str, Any]:
+    """Puts the backlog on the input topic before anything serves; the time it takes is the
+    client's enqueue figure (one thread, InputQueue.enqueue per request, one flush)."""
+    progress(model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
+    started = time.perf_counter()
+    enqueue_all(config, uris, model.input_name, samples, 0.0, {})
+    rate = len(uris) / (time.perf_counter() - started)
+    return {"method": "InputQueue.enqueue, one thread, one flush", "rate": rate,
+            "mb_per_s": rate * model.instance_bytes / 1e6}
+
+
+def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
+                  rate: float, uris: list[str]) -> dict[str, Any]:
+    """Enqueue -> result read of requests sent at `rate` to the running job."""
+    progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s ...")
+    sent: dict[str, float] = {}
+    sender = threading.Thread(target=enqueue_all, args=(config, uris, model.input_name, samples, rate, sent))
+    sender.start()
+    reader.read_until(uris, timeout=300)
+    sender.join()
+    # One client thread may not keep up with half a high capacity: say what it really sent.
+    sent_rate = (len(uris) - 1) / (sent[uris[-1]] - sent[uris[0]])
+    latencies = [(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in uris if uri in reader.arrivals]
+    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), **latency_ms(latencies)}
+
+
+def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder: Path,
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """Phases 2 to 5 for one model against the broker at `bootstrap`; the job starts only once the
+    plain loop has stopped, so neither shares the cores with the other."""
+    config_path = write_run_config(
+        folder, model_path, bootstrap,
+        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
+        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
+    )
+    config = load_config(config_path)
+    plain_topic = f"{config.kafka.result_topic}-plain-loop"
+    ensure_topics(config.kafka)
+    ensure_topics(replace(config.kafka, result_topic=plain_topic))
+    samples = model.samples(SAMPLES)
+    backlog = [f"backlog-{i}" for i in range(args.requests or model.requests)]
+    warmup = [f"warmup-{i}" for i in range(len(backlog) // 10 if args.warmup is None else args.warmup)]
+    paced = [f"paced-{i}" for i in range(args.latency_requests or model.latency_requests)]
+    enqueued = fill_backlog(config, model, samples, warmup + backlog)
+
+    progress(model.name, "plain consumer loop (bench/baseline.py) draining the backlog ...")
+    plain = plain_loop_rate(config_path, config, plain_topic, len(warmup), len(warmup) + len(backlog),
+                            folder / f"plain-loop-{model.name}.log")
+
+    progress(model.name, "starting the job; it drains the backlog as soon as it runs ...")
+    reader = ResultReader(bootstrap, config.kafka.result_topic)
+    job = EmbeddedJob(config_path, config.flink.rest_port, folder / f"job-{model.name}.log")
+    try:
+        capacity = timed_drain(reader, job, len(warmup), len(warmup) + len(backlog))
         reader.read_until(warmup + backlog, timeout=300)
-        paced = [f"paced-{i}" for i in range(args.latency_requests)]
-        sender = threading.Thread(target=enqueue_all, args=(config, paced, features, args.rate, sent))
-        sender.start()
-        reader.read_until(paced, timeout=300)
-        sender.join()
-        with HttpBridge(config_path, folder / "bridge.log") as bridge:
-            served = http_load(bridge.url, features, args.http_clients, args.http_requests)
+        latency = paced_latency(config, reader, model, samples, args.rate or LATENCY_LOAD * capacity, paced)
+        served = http_phases(model, config_path, folder, samples, args)
     finally:
         job.stop()
     arrivals = reader.arrivals
-    missing = [uri for uri in warmup + backlog + paced if uri not in arrivals]
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
-        "enqueue_rate": enqueue_rate,
+        "requests": len(backlog),
+        "warmup": len(warmup),
+        "enqueue": enqueued,
+        "plain_loop": plain,
         "capacity": capacity,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
-        "latency": percentiles([(arrivals[u].seconds - sent[u]) * 1000 for u in paced if u in arrivals]),
-        "missing": len(missing),
+        "latency": latency,
+        "http": served,
+        "missing": sum(uri not in arrivals for uri in warmup + backlog + paced),
         "errors": sum(arrival.error for arrival in arrivals.values()),
-        **served,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def http_phases(model: BenchModel, config_path: Path, folder: Path, samples: np.ndarray,
+                args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The bridge at each client count (and a few untimed calls first, under "warmup"); each client
+    sends the same number of requests (HTTP_MIN_REQUESTS in all at least), so one client does not
+    take 32 times as long as 32."""
+    bodies = predict_bodies(model, samples)
+    per_client = args.http_requests_per_client or model.http_requests_per_client
+    progress(model.name, "starting the HTTP bridge ...")
+    with HttpBridge(config_path, folder / f"bridge-{model.name}.log") as bridge:
+        served = {"warmup": http_load(bridge.url, bodies, 1, HTTP_WARMUP)}
+        for clients in args.http_clients:
+            requests = max(clients * per_client, HTTP_MIN_REQUESTS)
+            progress(model.name, f"HTTP /predict: {plural(clients, 'client')}, {requests} requests ...")
+            served[str(clients)] = http_load(bridge.url, bodies, clients, requests)
+    return served
+
+
+def machine(provider: str) -> dict[str, Any]:
+    """What the figures were measured on: they mean little without it."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu[1] if cpu else "unknown",
+            "provider": provider, "gpu": gpu_name() if provider == "CUDAExecutionProvider" else None}
+
+
+def gpu_name() -> str | None:
+    """The GPU's name from nvidia-smi (onnxruntime does not tell); None without it."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=False)
+    return answer.stdout.strip().splitlines()[0] if answer.returncode == 0 and answer.stdout.strip() else None
+
+
+def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    most = str(args.http_clients[-1])
+    ceiling = raw[str(args.batch_size)]
+    return {**figures, "raw_ort": raw, "ratios": {
+        "capacity_over_raw_ort": figures["capacity"] / ceiling,
+        "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
+        f"http_{most}_clients_over_raw_ort": figures["http"][most]["rate"] / ceiling,
+    }}
+
+
+def table(report: dict[str, Any], args: argparse.Namespace) -> str:
+    """The machine and settings in one line, then one row per figure and one column per model."""
+    box = report["machine"]
+    gpu = f", {box['gpu']}" if box["gpu"] else ""
+    head = (f"machine: {box['nproc']} cores (nproc), {box['cpu']}, {box['provider']}{gpu} (device {args.device}); "
+            f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")
+    rows = [("", list(report["models"])), *table_rows(list(report["models"].values()), args)]
+    widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(report["models"]))]
+    label_width = max(len(label) for label, _ in rows)
+    lines = ["  ".join([label.ljust(label_width), *(cell.ljust(w) for cell, w in zip(cells, widths))]).rstrip()
+             for label, cells in rows]
+    return "\n".join([head, *lines])
+
+
+def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, one cell per model) for every figure of the report, ratios last."""
+    b, most = args.batch_size, args.http_clients[-1]
+
+    def row(label: str, cell: Callable[[dict[str, Any]], str]) -> tuple[str, list[str]]:
+        return label, [cell(m) for m in models]
+
+    def timing(t: dict[str, Any]) -> str:
+        return f"p50 {t['p50_ms']:.0f}, p95 {t['p95_ms']:.0f}, p99 {t['p99_ms']:.0f} ms"
+
+    return [
+        row("model", lambda m: m["description"]),
+        row("request tensor", lambda m: f"{m['instance_bytes']:,} B"),
+        row("raw ORT, batch 1 (req/s)", lambda m: f"{m['raw_ort']['1']:,.0f}"),
+        row(f"raw ORT, batch {b} (req/s)", lambda m: f"{m['raw_ort'][str(b)]:,.0f}"),
+        row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
+        row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
+        row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
+        row("job latency, paced (enqueue -> result)", lambda m: (
+            f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
+        *(row(f"HTTP /predict, {plural(clients, 'client')}", lambda m, key=str(clients): (
+            f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),
+        row("client InputQueue.enqueue, 1 thread", lambda m: (
+            f"{m['enqueue']['rate']:,.0f} req/s, {m['enqueue']['mb_per_s']:.1f} MB/s")),
+        row(f"ratio job / raw ORT batch {b}", lambda m: f"{m['ratios']['capacity_over_raw_ort']:#.3g}"),
+        row("ratio job / plain loop", lambda m: f"{m['ratios']['capacity_over_plain_loop']:#.3g}"),
+        row(f"ratio HTTP {plural(most, 'client')} / raw ORT batch {b}",
+            lambda m: f"{m['ratios'][f'http_{most}_clients_over_raw_ort']:#.3g}"),
+        row("missing / error results, non-200", lambda m: (
+            f"{m['missing']} / {m['errors']}, {sum(h['failures'] for h in m['http'].values())}")),
+    ]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and infinities as null: strict JSON readers refuse them."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def client_counts(text: str) -> list[int]:
+    counts = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError("a comma-separated list of client counts >= 1, e.g. 1,8,32")
+    return counts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    models = bench_models(hidden=DEFAULT_HIDDEN)  # names and per-model defaults only: --hidden is parsed below
     parser = argparse.ArgumentParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
-    # Warm-up plus backlog stay under the local broker's ~5 MiB per partition (about 600 B each).
-    parser.add_argument("--requests", type=int, default=5000, help="size of the backlog drained for capacity")
-    parser.add_argument("--warmup", type=int, default=500)
-    parser.add_argument("--latency-requests", type=int, default=1000)
-    parser.add_argument("--rate", type=float, default=200.0, help="requests per second in the latency phase")
-    parser.add_argument("--http-clients", type=int, default=32, help="concurrent clients in the HTTP phase")
-    parser.add_argument("--http-requests", type=int, default=2000, help="one-instance requests in the HTTP phase")
+    defaults = ", ".join(f"{m.name} {m.requests}" for m in models.values())
+    parser.add_argument("--models", default=",".join(models), help="comma-separated, from: " + ", ".join(models))
+    parser.add_argument("--requests", type=int, help=f"size of the backlog drained for capacity (default: {defaults})")
+    parser.add_argument("--warmup", type=int, help="requests before the timed backlog (default: a tenth of it; they "
+                                                    "absorb the start and the JIT's first minute)")
+    parser.add_argument("--latency-requests", type=int, help="requests of the paced phase (default: per model)")
+    parser.add_argument("--rate", type=float, help="requests per second of the paced phase "
+                                                   "(default: half the capacity measured in this run)")
+    parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")
+    parser.add_argument("--http-requests-per-client", type=int,
+                        help=f"requests per HTTP client (default: per model; {HTTP_MIN_REQUESTS} per phase at least)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-delay-ms", type=int, default=10)
     parser.add_argument("--parallelism", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256, help="hidden width of the sample model")
+    parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="ONNX Runtime's intra-op threads (model.threads) for the job, the plain loop and raw ORT")
     parser.add_argument("--bootstrap", help="a running Kafka to use instead of a local broker")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file as JSON")
     args = parser.parse_args(argv)
-    if args.requests < 1000:
+    args.models = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = sorted(set(args.models) - set(models))
+    if unknown or not args.models:
+        parser.error(f"--models: unknown {unknown}; choose from {', '.join(models)}")
+    if args.requests is not None and args.requests < 1000:
         parser.error("--requests: at least 1000, or the drain is too short to time")
+    if args.latency_requests is not None and args.latency_requests < 100:
+        parser.error("--latency-requests: at least 100, or p99 is one request's latency")
+    if args.http_requests_per_client is not None and args.http_requests_per_client < 1:
+        parser.error("--http-requests-per-client: at least 1")
+    return args
 
-    with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
-        folder = Path(name)
-        model = build_sample_model(folder / "model.onnx", hidden=args.hidden)
-        broker = None if args.bootstrap else LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log")
+
+def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -> dict[str, Any]:
+    """Serving phases for every model on one broker, then raw ONNX Runtime once the broker is down,
+    so nothing else uses the cores while the ceiling is measured."""
+    paths = {name: models[name].build(folder / f"{name}.onnx") for name in args.models}
+    broker = None if args.bootstrap else LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log")
+    if broker:
+        progress("broker", "starting the local Kafka broker ...")
+        broker.start()
+    try:
+        bootstrap = args.bootstrap or broker.bootstrap_servers
+        figures = {name: measure_serving(models[name], paths[name], bootstrap, folder, args) for name in args.models}
+    finally:
         if broker:
-            broker.start()
-        try:
-            config_path = write_run_config(
-                folder, model, args.bootstrap or broker.bootstrap_servers,
-                batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
-                flink={"parallelism": args.parallelism}, device=args.device,
-            )
-            figures = measure(config_path, folder, args)
-        finally:
-            if broker:
-                broker.stop()
-        # The same provider choice as the job's, so the ratio compares like with like.
-        session = open_session(model, args.device)
-        raw = raw_onnxruntime(session, args.batch_size)
+            broker.stop()
+    results, providers = {}, []
+    for name in args.models:
+        progress(name, f"raw ONNX Runtime at batch 1 and {args.batch_size} ...")
+        # The same provider choice as the job's, so the ratios compare like with like.
+        session = open_session(paths[name], args.device, args.threads)
+        providers.append(session.get_providers()[0])
+        raw = {str(size): raw_onnxruntime(session, size) for size in (1, args.batch_size)}
+        model = models[name]
+        results[name] = {"description": model.description, "instance_bytes": model.instance_bytes,
+                         **with_ratios(figures[name], raw, args)}
+    return {"machine": machine(", ".join(sorted(set(providers)))), "models": results}
 
-    print(f"model: sample classifier {FEATURES}->{args.hidden}->10 on {session.get_providers()[0]}; "
-          f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")
-    print(f"client enqueue rate (InputQueue, one thread): {figures['enqueue_rate']:,.0f} req/s")
-    print(f"capacity (backlog of {args.requests} drained): {figures['capacity']:,.0f} req/s, "
-          f"mean batch {figures['mean_batch']:.1f}")
-    print(f"latency at {args.rate:g} req/s ({args.latency_requests} requests): {figures['latency']}")
-    print(f"HTTP /predict, {args.http_clients} clients x one instance ({args.http_requests} requests): "
-          f"{figures['http_rate']:,.0f} req/s, {figures['http_latency']}, non-200 answers: {figures['http_failures']}")
-    print(f"raw onnxruntime at batch {args.batch_size}: {raw:,.0f} req/s")
-    print(f"ratio capacity / raw onnxruntime: {figures['capacity'] / raw:.4f}; "
-          f"HTTP / raw onnxruntime: {figures['http_rate'] / raw:.4f}")
-    print(f"missing results: {figures['missing']}, error results: {figures['errors']}")
-    return 0 if figures["missing"] == 0 and figures["http_failures"] == 0 else 1
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    models = bench_models(hidden=args.hidden)
+    try:
+        with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
+            report = run(args, models, Path(name))
+    except RuntimeError as exc:  # a child that did not start or stopped serving, with its log
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report["settings"] = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    failures = sum(m["missing"] + sum(h["failures"] for h in m["http"].values()) for m in report["models"].values())
+    report["ok"] = failures == 0
+    print(table(report, args))
+    if args.json:
+        args.json.write_text(json.dumps(json_safe(report), indent=1) + "\n")
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

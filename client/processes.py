@@ -90,12 +90,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def write_run_config(folder: Path, model: Path, bootstrap: str, **sections: Any) -> Path:
+def write_run_config(folder: Path, model_path: Path, bootstrap: str, **sections: Any) -> Path:
     """A config file of its own for one run: fresh topic names, group id, REST and HTTP ports, so
     runs sharing a broker never see each other's records. `sections` override, e.g. batching={...}."""
     run_id = uuid.uuid4().hex[:8]
     raw: dict[str, Any] = {
-        "model": {"path": str(model)},
+        "model": {"path": str(model_path)},
         "kafka": {
             "bootstrap_servers": bootstrap,
             "input_topic": f"requests-{run_id}",

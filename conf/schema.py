@@ -49,6 +49,7 @@ class ModelConfig:
     path: Path
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    threads: int = 1
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,7 @@ def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingC
             path=_path(model["path"], "model.path", base_dir),
             inputs=tuple(_string_list(model["inputs"], "model.inputs")),
             outputs=tuple(_string_list(model["outputs"], "model.outputs")),
+            threads=_int(model["threads"], "model.threads", low=0),
         ),
         kafka=KafkaConfig(
             bootstrap_servers=_text(kafka["bootstrap_servers"], "kafka.bootstrap_servers"),

@@ -112,7 +112,7 @@ class InferBatch(MapFunction):
 
     def open(self, runtime_context: RuntimeContext) -> None:
         config = self.model_config
-        self.model = OnnxModel(Path(config.path), self.device, config.inputs, config.outputs)
+        self.model = OnnxModel(Path(config.path), self.device, config.inputs, config.outputs, config.threads)
         log.info("opened %s on %s (batched runs: %s)", config.path, self.model.provider, self.model.batched)
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.batch_sizes = group.distribution("batchSize")

@@ -113,7 +113,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
 def preflight(config: ServingConfig) -> None:
     """Fails fast, with one line, on what would otherwise surface as a Java stack trace later."""
     config.check_files()
-    model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs)
+    model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs, config.model.threads)
     inputs = [spec.name for spec in model.inputs]
     for name in config.preprocess.images:
         if name not in inputs:

@@ -1,0 +1,68 @@
+"""The plain consumer loop: what a user would write in 40 lines instead of the serving job, so the
+benchmark can say what Flink, the keyed batcher and checkpoints cost (or buy) on the same backlog.
+
+    python -m bench.baseline --config CONFIG --result-topic TOPIC
+
+It reads the config's input topic under a group of its own, runs each poll's records as one batch
+with the job's session (same model, same device choice) and writes the results, in the job's wire
+format, to TOPIC, flushing them before the next poll (at least once, as the job).
+It runs until stopped; the benchmark times it by TOPIC's end offsets.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from kafka import KafkaConsumer, KafkaProducer
+
+from conf import KAFKA_RECORD_BYTES, ServingConfig, load_config
+from connectors.codec import Message, decode_message, encode_message
+from job.model import open_session
+
+READY_LINE = "plain loop: consuming "
+
+
+def serve(config: ServingConfig, result_topic: str) -> None:
+    """Poll, decode, stack, one session.run, encode, produce, flush: forever."""
+    kafka = config.kafka
+    session = open_session(config.model.path, config.device, config.model.threads)
+    inputs = [node.name for node in session.get_inputs()]
+    outputs = [node.name for node in session.get_outputs()]
+    consumer = KafkaConsumer(
+        kafka.input_topic, bootstrap_servers=kafka.bootstrap_servers, group_id=f"{kafka.group_id}-plain-loop",
+        auto_offset_reset="earliest",
+        # kafka-python's 1 MiB per partition holds only 21 requests of 48 KiB, less than a batch;
+        # this lets one fetch bring many batches and any record up to the project's limit.
+        max_partition_fetch_bytes=KAFKA_RECORD_BYTES,
+    )
+    # Auto-commit (kafka-python's default) commits, within poll(), the offsets of what earlier polls
+    # returned: flushed by then, so this is at least once, as the job is.
+    producer = KafkaProducer(
+        bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=1, max_request_size=KAFKA_RECORD_BYTES,
+    )
+    print(f"{READY_LINE}{kafka.input_topic} -> {result_topic} on {session.get_providers()[0]}", flush=True)
+    while True:
+        records = [r for batch in consumer.poll(timeout_ms=100, max_records=config.batching.batch_size).values()
+                   for r in batch]
+        if not records:
+            continue
+        messages = [decode_message(record.value, config.limits.max_instance_bytes) for record in records]
+        feeds = {name: np.stack([message.tensors[name] for message in messages]) for name in inputs}
+        results = dict(zip(outputs, session.run(outputs, feeds)))
+        for i, message in enumerate(messages):
+            tensors = {name: values[i] for name, values in results.items()}
+            producer.send(result_topic, key=message.uri.encode(), value=encode_message(Message(message.uri, tensors)))
+        producer.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.baseline", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the job's config: broker, input topic, model, batch size")
+    parser.add_argument("--result-topic", required=True, help="where the loop writes its results")
+    args = parser.parse_args(argv)
+    serve(load_config(args.config), args.result_topic)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The models the benchmark serves, built into its temp folder: the sample classifier, whose
+requests are 64 bytes and cost ONNX Runtime about a microsecond, and a small CNN, whose requests
+are 48 KiB images, so that moving the bytes, not the model, shows in the serving path's figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from conf.sample_model import CLASSES, FEATURES, IR_VERSION, OPSET, build_sample_model
+
+CNN_INPUT = "input"
+CNN_SHAPE = (3, 64, 64)
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """One model of the run, with the per-model defaults that keep a full run short: a CNN request
+    moves 768 times the bytes of an MLP request, so it gets a smaller backlog and fewer HTTP calls."""
+
+    name: str
+    description: str
+    input_name: str
+    instance_shape: tuple[int, ...]
+    build: Callable[[Path], Path]
+    requests: int
+    latency_requests: int
+    http_requests_per_client: int
+
+    @property
+    def instance_bytes(self) -> int:
+        return math.prod(self.instance_shape) * np.dtype(np.float32).itemsize
+
+    def samples(self, count: int) -> np.ndarray:
+        """`count` distinct float32 instances from a fixed seed (requests cycle through them)."""
+        rng = np.random.default_rng(0)
+        return rng.normal(size=(count, *self.instance_shape)).astype(np.float32)
+
+
+def build_cnn(path: Path, seed: int = 7) -> Path:
+    """input float32 [batch, 3, 64, 64] -> Conv 3->32 3x3 -> Relu -> Conv 32->128 3x3/2 -> Relu
+    -> Conv 128->128 3x3/2 -> Relu -> GlobalAveragePool -> Flatten -> Gemm 128->10 -> Softmax ->
+    probabilities [batch, 10]: about 0.16 GFLOP a request, so that the model, not the bytes, sets
+    its pace on a small CPU (about 900 requests/s on one core of the dev machine), as an image model would."""
+    rng = np.random.default_rng(seed)
+    layers = [(CNN_SHAPE[0], 32, 1), (32, 128, 2), (128, 128, 2)]  # in channels, out channels, stride
+    weights, nodes, previous = [], [], CNN_INPUT
+    for i, (channels_in, channels_out, stride) in enumerate(layers, 1):
+        scale = (2.0 / (channels_in * 9)) ** 0.5
+        weights += [
+            numpy_helper.from_array(rng.normal(0, scale, (channels_out, channels_in, 3, 3)).astype(np.float32), f"conv{i}_w"),
+            numpy_helper.from_array(rng.normal(0, 0.1, (channels_out,)).astype(np.float32), f"conv{i}_b"),
+        ]
+        nodes += [
+            helper.make_node("Conv", [previous, f"conv{i}_w", f"conv{i}_b"], [f"conv{i}"],
+                             kernel_shape=[3, 3], strides=[stride, stride], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", [f"conv{i}"], [f"relu{i}"]),
+        ]
+        previous = f"relu{i}"
+    weights += [
+        numpy_helper.from_array(rng.normal(0, 0.5, (layers[-1][1], CLASSES)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (CLASSES,)).astype(np.float32), "fc_b"),
+    ]
+    nodes += [
+        helper.make_node("GlobalAveragePool", [previous], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "bench_cnn",
+        [helper.make_tensor_value_info(CNN_INPUT, TensorProto.FLOAT, ["batch", *CNN_SHAPE])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES])],
+        initializer=weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def bench_models(hidden: int) -> dict[str, BenchModel]:
+    """The models by name; `hidden` is the sample classifier's hidden width (--hidden)."""
+    return {
+        "mlp": BenchModel(
+            "mlp", f"sample classifier {FEATURES}->{hidden}->{CLASSES}", "features", (FEATURES,),
+            partial(build_sample_model, hidden=hidden),
+            requests=200_000, latency_requests=5000, http_requests_per_client=60,
+        ),
+        "cnn": BenchModel(
+            "cnn", f"CNN {'x'.join(map(str, CNN_SHAPE))} -> conv32 -> conv128/2 -> conv128/2 -> {CLASSES}", CNN_INPUT,
+            CNN_SHAPE, build_cnn,
+            requests=4000, latency_requests=1000, http_requests_per_client=20,
+        ),
+    }
