@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
 from connectors.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
-from job.batch import FRAME, MAX_PARALLELISM, micro_batches, split_results  # noqa: E402
+from job.batch import FRAME, micro_batches, split_results  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
@@ -100,7 +100,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
     requests = env.from_source(
         request_source(config.kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
     )
-    batches = micro_batches(requests, config.batching, config.flink.parallelism).name("micro-batch").uid("micro-batch-jvm")
+    batches = micro_batches(requests, config.batching).uid("micro-batch-jvm")
     frames = (
         batches.map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
         .map(InferBatch(config.model, config.device, config.postprocess, config.testing, config.flink)).name("infer").uid("infer")
@@ -162,7 +162,6 @@ def create_environment(config: ServingConfig, resume_from: Path | None) -> Strea
     log.info("Flink log folder: %s", log_dir)
     env.add_jars(*(jar.as_uri() for jar in config.flink.pipeline_jars))
     env.set_parallelism(config.flink.parallelism)
-    env.set_max_parallelism(MAX_PARALLELISM)
     env.enable_checkpointing(config.flink.checkpoint_interval_ms)
     return env
 
