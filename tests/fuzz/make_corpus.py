@@ -72,13 +72,13 @@ def forged(uri: str, column: pa.Array, dtype: str = "float32", shape: str = "[4]
 
 def compressed(message: Message, codec: str) -> bytes:
     """The message as one stream written with Arrow's body compression (the decoder accepts it)."""
-    plain = pa.ipc.open_stream(encode_message(message))
+    plain = pa.ipc.open_stream(encode_message(message, version=1))
     return write_stream(plain.schema, plain, codec)
 
 
 def patched(message: Message, old: bytes, new: bytes) -> bytes:
     """The message's bytes with the first `old` replaced by `new` (same length: offsets stay)."""
-    data = encode_message(message)
+    data = encode_message(message, version=1)
     assert len(old) == len(new) and old in data
     return data.replace(old, new, 1)
 
@@ -92,7 +92,7 @@ def regressions() -> dict[str, bytes]:
     return {
         "regress_field_name_not_utf8.arrow": patched(Message("u", one), b"xy", b"\xff\xfe"),
         "regress_struct_name_not_utf8.arrow": patched(Message("u", sparse), b"values", b"valu\xcd\xcd"),
-        "regress_count_superscript.arrow": encode_message(Message("u", one, batch_size="\u00b2")),  # '²'.isdigit()
+        "regress_count_superscript.arrow": encode_message(Message("u", one, batch_size="\u00b2"), version=1),  # '²'.isdigit()
         "regress_interval_type.arrow": patched(Message("u", one), b"\x01\x15", b"\x01\x0b"),
         # 2.7 KB on the wire, 64 MiB once inflated: compressed bodies are refused now.
         "regress_zstd_bomb.arrow": compressed(Message("u", {"x": np.zeros(1 << 24, np.float32)}), "zstd"),
@@ -102,8 +102,11 @@ def regressions() -> dict[str, bytes]:
 def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
     floats = Message("dense-f32", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
     valid = {
-        "dense_float32.arrow": encode_message(floats),
-        "int64.arrow": encode_message(Message("int64", {"ids": np.array([1, -2, 2**62, 0], np.int64)})),
+        "dense_float32.arrow": encode_message(floats, version=1),
+        "int64.arrow": encode_message(Message("int64", {"ids": np.array([1, -2, 2**62, 0], np.int64)}), version=1),
+        "dense_float32.cst2": encode_message(floats),
+        "int64_bool.cst2": encode_message(Message("ib", {"ids": np.array([1, -2, 2**62], np.int64), "on": np.ones(2, bool)})),
+        "result.cst2": encode_message(Message("r", {"p": np.ones(10, np.float32)}, batch_size=32, inference_us=250)),
         "strings.arrow": encode_message(Message("strings", {"text": np.array([["héllo", ""], ["wörld", "€"]])})),
         "sparse.arrow": encode_message(Message("sparse", {"sp": SparseTensor(
             np.array([[0, 0], [1, 2], [4, 9]], np.int64), np.array([1.5, -2, 3], np.float32), (5, 10))})),
@@ -115,7 +118,7 @@ def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
         "mixed.arrow": encode_message(Message("mixed", {
             "flags": np.array([True, False, True]), "half": np.ones((2, 2), np.float16),
             "bytes": np.arange(5, dtype=np.uint8), "empty": np.zeros((0, 3), np.float64),
-            "scalar": np.array(7, np.int32)})),
+            "scalar": np.array(7, np.int32)}), version=1),
         "lz4.arrow": compressed(floats, "lz4"),
         "zstd.arrow": compressed(floats, "zstd"),
     }
@@ -138,6 +141,8 @@ def messages(pictures: dict[str, bytes]) -> dict[str, bytes]:
         "bad_uri_empty.arrow": forged("", column),
         "bad_two_rows.arrow": forged("u", pa.LargeListArray.from_arrays(
             pa.array([0, 2, 4], pa.int64()), pa.array(np.ones(4, np.float32))), shape="[2]"),
+        "bad_truncated.cst2": valid["int64_bool.cst2"][:-3],
+        "bad_layout.cst2": valid["dense_float32.cst2"].replace(b'"float32"', b'"float64"', 1),
     }
     return {**valid, **corrupt, **regressions()}
 
@@ -163,6 +168,8 @@ def batches(wire: dict[str, bytes], bomb_image: bytes) -> dict[str, bytes]:
         # The PNG pixel bomb inside a request: decode_records must answer it with an error result.
         "image_bomb": pack_records([(KEY_URI, bomb), (KEY_URI, wire["dense_float32.arrow"])]),
         "regressions": pack_records([(KEY_URI, data) for name, data in wire.items() if name.startswith("regress_")]),
+        "version_2": pack_records([(KEY_URI, wire["dense_float32.cst2"]), (KEY_URI, wire["int64_bool.cst2"]),
+                                   (KEY_URI, wire["bad_layout.cst2"]), (KEY_OTHER, wire["dense_float32.cst2"])]),
     }
 
 
