@@ -11,10 +11,9 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from conf.sample_model import CLASSES, FEATURES, IR_VERSION, OPSET, build_sample_model
+from conf.sample_model import CLASSES, FEATURES, build_sample_model, save_graph
 
 CNN_INPUT = "input"
 CNN_SHAPE = (3, 64, 64)
@@ -81,12 +80,7 @@ def build_cnn(path: Path, seed: int = 7) -> Path:
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES])],
         initializer=weights,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    model.ir_version = IR_VERSION
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
-    return path
+    return save_graph(graph, path)
 
 
 def bench_models(hidden: int) -> dict[str, BenchModel]:

@@ -40,6 +40,11 @@ def build_sample_model(path: Path, hidden: int = 32, seed: int = 7) -> Path:
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES])],
         initializer=weights,
     )
+    return save_graph(graph, path)
+
+
+def save_graph(graph: onnx.GraphProto, path: Path) -> Path:
+    """Writes a graph as a checked model at the opset and IR version every onnxruntime >= 1.16 reads."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     model.ir_version = IR_VERSION
     onnx.checker.check_model(model)
