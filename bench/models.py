@@ -94,6 +94,6 @@ def bench_models(hidden: int) -> dict[str, BenchModel]:
         "cnn": BenchModel(
             "cnn", f"CNN {'x'.join(map(str, CNN_SHAPE))} -> conv32 -> conv128/2 -> conv128/2 -> {CLASSES}", CNN_INPUT,
             CNN_SHAPE, build_cnn,
-            requests=4000, latency_requests=1000, http_requests_per_client=20,
+            requests=8000, latency_requests=1000, http_requests_per_client=20,
         ),
     }
