@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from kafka import KafkaProducer
@@ -63,8 +64,9 @@ class Bridge:
         self.limiter = TokenBucket(http.rate_limit_per_s, http.rate_limit_burst) if http.rate_limit_per_s else None
         self.uri_prefix = f"http-{uuid.uuid4().hex[:12]}-"
         self._sequence = itertools.count()
-        self._ready: tuple[float, str | None] = (0.0, "not checked yet")
-        self._ready_lock = asyncio.Lock()
+        self._partitions: Iterator[int] = itertools.repeat(0)  # the input topic's, once connected
+        self._ready: tuple[float, str | None] | None = None  # (checked at, reason)
+        self._checking: asyncio.Task[None] | None = None
         self.producer: KafkaProducer | None = None
         self.waiter: ResultWaiter | None = None
 
@@ -84,11 +86,16 @@ class Bridge:
             bootstrap_servers=kafka.bootstrap_servers, linger_ms=1, acks="all",
             # The producer's 1 MiB default would refuse large instances before the job could.
             max_request_size=KAFKA_RECORD_BYTES,
+            # kafka-python's own metrics, read by nobody here, cost a third of each produce request.
+            metrics_enabled=False,
             **properties,
         )
+        # Round robin, as the key hash would spread these unique uris anyway: kafka-python's key
+        # hash (murmur2) is pure Python, a fifth of each send's time.
+        self._partitions = itertools.cycle(sorted(self.producer.partitions_for(kafka.input_topic)))
         self.waiter = ResultWaiter(
             kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.late_results.inc,
-            isolation_level=READ_COMMITTED, **properties,
+            isolation_level=READ_COMMITTED, metrics_enabled=False, **properties,
         )
         self.waiter.start(loop)
 
@@ -100,13 +107,23 @@ class Bridge:
 
     async def not_ready_reason(self) -> str | None:
         """None when requests can be served: broker connected, result reader alive, job running.
-        Cached for a second, so probes and requests do not each ask Flink."""
-        async with self._ready_lock:  # one check at a time; the requests queued behind it reuse it
-            checked, reason = self._ready
-            if time.monotonic() - checked > READINESS_TTL_S:
-                reason = await asyncio.to_thread(self._check_ready)
-                self._ready = (time.monotonic(), reason)
-        return reason
+
+        Checked at most once a second, in the background: requests take the last check's answer
+        rather than queue behind a call to Flink (milliseconds, every second, for every request
+        that came meanwhile). Only the first check is waited for."""
+        if self._checking is None and (self._ready is None or time.monotonic() - self._ready[0] > READINESS_TTL_S):
+            self._checking = asyncio.create_task(self._check())
+        if self._ready is None:
+            assert self._checking is not None
+            await asyncio.shield(self._checking)  # requests cancelled meanwhile leave the check running
+        assert self._ready is not None
+        return self._ready[1]
+
+    async def _check(self) -> None:
+        try:
+            self._ready = (time.monotonic(), await asyncio.to_thread(self._check_ready))
+        finally:
+            self._checking = None
 
     def _check_ready(self) -> str | None:
         if self.producer is None or self.waiter is None or not self.waiter.alive:
@@ -142,8 +159,9 @@ class Bridge:
             with self.metrics.wait_result.time():
                 timeout = self.config.http.request_timeout_s
                 try:
-                    messages = await asyncio.wait_for(asyncio.gather(*futures), timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):  # one timer; wait_for(gather()) added two futures
+                        messages = [await future for future in futures]
+                except TimeoutError:
                     raise RequestError(f"no result within {timeout:g} s", 504) from None
                 except KafkaError as exc:
                     raise RequestError(f"could not enqueue the request: {exc}", 503) from None
@@ -166,7 +184,9 @@ class Bridge:
         assert self.producer is not None and self.waiter is not None
         loop, waiter = asyncio.get_running_loop(), self.waiter
         try:
-            sent = self.producer.send(self.config.kafka.input_topic, key=uri.encode(), value=payload)
+            sent = self.producer.send(
+                self.config.kafka.input_topic, key=uri.encode(), value=payload, partition=next(self._partitions)
+            )
         except Exception as exc:
             raise RequestError(f"could not enqueue the request: {exc}", 503) from None
         sent.add_errback(lambda exc: loop.call_soon_threadsafe(waiter.fail, uri, exc))

@@ -2,7 +2,7 @@
 
     python -m client.http_bridge --config run/serving/config.yaml     (or: cluster-serving http)
 
-FastAPI (what KServe's own model server is built on) validates the bodies and writes the OpenAPI
+FastAPI (what KServe's own model server is built on) routes the requests and writes the OpenAPI
 document at /openapi.json; uvicorn serves it. Every error is `{"error": "<message>"}`.
 """
 
@@ -10,30 +10,32 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, get_type_hints
 
-import h11
+import httptools
 import uvicorn
 from fastapi import FastAPI, Path, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from client.bridge import Bridge
 from client.bridge_metrics import BridgeMetrics
-from client.http_json import RequestError, instance_inputs, prediction, strict_json, v2_instances, v2_outputs
+from client.http_json import (
+    RequestError, instance_inputs, json_bytes, prediction, strict_json, v2_instances, v2_outputs,
+)
 from conf import ConfigError, load_config
 from connectors.codec import MAX_RANK
 
@@ -103,20 +105,6 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 PREDICT_ERRORS = errors(400, 401, 404, 413, 429, 500, 503, 504)
 
 
-class JsonBodies:
-    """Reads every POST body as JSON, whatever its Content-Type: the BigDL guide's `curl -d`
-    examples send form-urlencoded, and FastAPI would otherwise not parse them."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(key, value) for key, value in scope["headers"] if key != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
-
-
 class BodyLimit:
     """Answers 413 for bodies over `max_bytes`, declared or streamed, before anything parses them."""
 
@@ -126,42 +114,126 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        declared = header(scope, b"content-length")
+        if declared is None:  # no Content-Length (chunked): counted as it streams in
+            return await self.app(scope, self._limited(receive), send)
         if not declared.isdigit() or int(declared) > self.max_bytes:
             response = error_response(413, f"request body over the limit of {self.max_bytes} bytes")
             return await response(scope, receive, send)
+        await self.app(scope, receive, send)  # the HTTP parser delivers no more than declared
+
+    def _limited(self, receive: Receive) -> Receive:
         received = 0
 
-        async def limited() -> dict:
+        async def limited() -> Message:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_bytes:
-                # FastAPI re-raises HTTPExceptions from body reading as they are.
-                raise HTTPException(413, f"request body over the limit of {self.max_bytes} bytes")
+                raise RequestError(f"request body over the limit of {self.max_bytes} bytes", 413)
             return message
 
-        await self.app(scope, limited, send)
+        return limited
 
 
-class StrictJsonRequest(Request):
-    """A request whose body is read as strict JSON (see `strict_json`)."""
-
-    async def json(self) -> Any:
-        return strict_json(await self.body())
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The value of the request's header `name` (lower case), None when it has none."""
+    return next((value for key, value in scope["headers"] if key == name), None)
 
 
-class StrictJsonRoute(APIRoute):
-    """FastAPI's route with a `StrictJsonRequest`: FastAPI's documented way to change how a body
-    is read, as its own reading is Starlette's `json.loads`, which takes NaN and Infinity."""
+class PredictRoute(APIRoute):
+    """A predict route, documented and routed by FastAPI like any other but answered as plain
+    ASGI: the body read as strict JSON whatever its Content-Type (the BigDL guide's `curl -d`
+    examples send form-urlencoded), validated as the endpoint's `body` model with FastAPI's
+    messages, the endpoint's answer written by orjson. FastAPI's own request handling (Request
+    objects, dependency solving, response-model validation and encoding, its middleware) took more
+    of a /predict's time than everything else the bridge does for it."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any):
+        super().__init__(path, endpoint, **kwargs)
+        self.body_model: type[BaseModel] = get_type_hints(endpoint)["body"]
+        self.app = self.serve  # what FastAPI's routing calls too, should a request reach it that way
 
-        async def strict_handler(request: Request) -> Response:
-            return await handler(StrictJsonRequest(request.scope, request.receive))
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_all(receive)  # BodyLimit's 413 comes from here
+            if body is None:  # the client went away
+                return
+            answer = await self.endpoint(read_body(body, self.body_model), **scope["path_params"])
+        except RequestError as exc:
+            return await error_response(exc.status, str(exc))(scope, receive, send)
+        except Exception as exc:
+            return await internal_error(scope, exc)(scope, receive, send)
+        await send_json(send, json_bytes(answer))
 
-        return strict_handler
+
+class PredictFront:
+    """Hands the POSTs of the predict routes straight to their `PredictRoute`, past FastAPI's
+    middleware and routing (a tenth of a /predict's time); FastAPI serves everything else, wrong
+    methods on these paths included."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self.routes = [route for route in app.routes if isinstance(route, PredictRoute)]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            for route in self.routes:
+                match, child = route.matches(scope)
+                if match is Match.FULL:
+                    return await route.serve({**scope, **child}, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def read_all(receive: Receive) -> bytes | None:
+    """The request's body; None when the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_json(send: Send, body: bytes) -> None:
+    """A 200 with the JSON `body`, as the two ASGI messages themselves."""
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def read_body(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body as strict JSON (see `strict_json`) validated as `model`; a RequestError says why not,
+    in the words FastAPI's own reading used (from_attributes: a body that is no object is worded
+    as FastAPI validated it)."""
+    if not body:
+        raise RequestError("body: Field required")
+    try:
+        value = strict_json(body)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"body is not valid JSON: {exc.msg}") from None
+    except (ValueError, RecursionError):  # not UTF-8, or nested past the parser's depth
+        raise RequestError("There was an error parsing the body") from None
+    try:
+        return model.model_validate(value, from_attributes=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise RequestError(f"{'.'.join(str(part) for part in first['loc']) or 'body'}: {first['msg']}") from None
+
+
+class BearerToken:
+    """Answers 401 unless the request carries `Authorization: Bearer <token>`; health probes are open."""
+
+    def __init__(self, app: ASGIApp, token: str):
+        self.app, self.expected = app, f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(OPEN_ROUTES):
+            if not hmac.compare_digest(header(scope, b"authorization") or b"", self.expected):
+                return await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class CountResponses:
@@ -181,22 +253,20 @@ class CountResponses:
         await self.app(scope, receive, counted)
 
 
-def json_error_protocol(metrics: BridgeMetrics) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a malformed request line,
-    header or Content-Length), before any app sees it, in the bridge's JSON error shape and counted
-    like every other response; uvicorn's own answer is plain text."""
+def json_error_protocol(metrics: BridgeMetrics) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, in C: 100 us less per request than the pure
+    Python h11), answering a request it cannot parse (a malformed request line, header or
+    Content-Length), before any app sees it, in the bridge's JSON error shape and counted like every
+    other response; uvicorn's own answer is plain text."""
 
-    class JsonErrorProtocol(H11Protocol):
+    class JsonErrorProtocol(HttpToolsProtocol):
         def send_400_response(self, msg: str) -> None:
-            # uvicorn calls this in its `except h11.RemoteProtocolError:`, whose reason says more.
+            # uvicorn calls this in its `except httptools.HttpParserError:`, whose reason says more.
             reason = sys.exc_info()[1]
-            message = f"malformed HTTP request: {reason}" if isinstance(reason, h11.RemoteProtocolError) else msg
-            body = json.dumps({"error": message}).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
-            response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
-            for event in (response, h11.Data(data=body), h11.EndOfMessage()):
-                self.transport.write(self.conn.send(event))
+            message = f"malformed HTTP request: {reason}" if isinstance(reason, httptools.HttpParserError) else msg
+            body = json_bytes({"error": message})
+            head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+            self.transport.write(head + b"connection: close\r\n\r\n" + body)
             self.transport.close()
             metrics.count_response(400)
 
@@ -208,6 +278,12 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+def internal_error(scope: Scope, exc: Exception) -> JSONResponse:
+    """The 500 of an exception nobody expected, logged with its traceback."""
+    log.exception("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def create_app(bridge: Bridge) -> ASGIApp:
     """The routes over a started `bridge` (see `run_bridge`), every response counted."""
     app = FastAPI(
@@ -217,14 +293,13 @@ def create_app(bridge: Bridge) -> ASGIApp:
         docs_url=None,  # the interactive pages load scripts from a CDN
         redoc_url=None,
     )
-    app.router.route_class = StrictJsonRoute
-    app.add_middleware(JsonBodies)
-    app.add_middleware(BodyLimit, max_bytes=bridge.config.http.max_body_bytes)
     add_error_handlers(app)
-    add_authorization(app, bridge)
     add_routes(app, bridge)
     drop_unused_422(app)
-    return CountResponses(app, bridge.metrics)
+    guarded: ASGIApp = BodyLimit(PredictFront(app), bridge.config.http.max_body_bytes)
+    if bridge.token:
+        guarded = BearerToken(guarded, bridge.token)
+    return CountResponses(guarded, bridge.metrics)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -237,28 +312,9 @@ def add_error_handlers(app: FastAPI) -> None:
         message = exc.detail if exc.status_code != 404 or exc.detail != "Not Found" else f"no route {request.url.path}"
         return error_response(exc.status_code, str(message))
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        if first["type"] == "json_invalid":
-            return error_response(400, f"body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-        where = ".".join(str(part) for part in first["loc"][1:]) or "body"
-        return error_response(400, f"{where}: {first['msg']}")
-
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-def add_authorization(app: FastAPI, bridge: Bridge) -> None:
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Any) -> Any:
-        if bridge.token and not request.url.path.startswith(OPEN_ROUTES):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {bridge.token}".encode()):
-                return error_response(401, "missing or wrong bearer token")
-        return await call_next(request)
+        return internal_error(request.scope, exc)
 
 
 def add_routes(app: FastAPI, bridge: Bridge) -> None:
@@ -270,25 +326,7 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         if model_name != name:
             raise RequestError(f"model {model_name!r} not found; this bridge serves {name!r}", 404)
 
-    async def predict_instances(instances: list[dict[str, Any]]) -> PredictResponse:
-        bridge.admit()
-        if len(instances) > bridge.config.http.max_instances:
-            raise RequestError(f"{len(instances)} instances, over the limit of {bridge.config.http.max_instances}", 413)
-        with bridge.metrics.request.time():
-            inputs = [_instance(i, item) for i, item in enumerate(instances)]
-            results = await bridge.infer(inputs)
-        return PredictResponse(predictions=[prediction(result) for result in results])
-
-    def _instance(index: int, instance: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return instance_inputs(instance, bridge.signature, bridge.image_inputs)
-        except RequestError as exc:
-            raise RequestError(f"instance {index}: {exc}", exc.status) from None
-
-    @app.post("/predict", response_model=PredictResponse, responses=PREDICT_ERRORS, tags=["BigDL"])
-    async def predict(body: PredictRequest) -> PredictResponse:
-        """BigDL Cluster Serving's predict: one prediction per instance, in order."""
-        return await predict_instances(body.instances)
+    add_predict_routes(app, bridge, model_path, check_model)
 
     @app.get("/metrics", responses=errors(401), tags=["metrics"])
     async def metrics() -> list[dict[str, Any]]:
@@ -308,11 +346,6 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
     async def v1_model(model_name: str = model_path) -> dict[str, Any]:
         check_model(model_name)
         return {"name": name, "ready": await bridge.not_ready_reason() is None}
-
-    @app.post("/v1/models/{model_name}:predict", response_model=PredictResponse, responses=PREDICT_ERRORS, tags=["KServe v1"])
-    async def v1_predict(body: PredictRequest, model_name: str = model_path) -> PredictResponse:
-        check_model(model_name)
-        return await predict_instances(body.instances)
 
     @app.get("/v2", responses=errors(401), tags=["KServe v2"])
     async def v2_server() -> dict[str, Any]:
@@ -347,23 +380,60 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
             raise RequestError(f"model {name!r} not ready: {reason}", 503)
         return {"name": name, "ready": True}
 
-    @app.post(
-        "/v2/models/{model_name}/infer", response_model=InferResponse, response_model_exclude_none=True,
-        responses=PREDICT_ERRORS, tags=["KServe v2"],
-    )
-    async def v2_infer(body: InferRequest, model_name: str = model_path) -> InferResponse:
+
+def add_predict_routes(app: FastAPI, bridge: Bridge, model_path: Any, check_model: Callable[[str], None]) -> None:
+    """The three predict routes, as `PredictRoute`s: every request to the bridge but probes and
+    metrics is one of them."""
+    http = bridge.config.http
+
+    def post(path: str, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def add(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+            app.router.add_api_route(
+                path, endpoint, methods=["POST"], responses=PREDICT_ERRORS, route_class_override=PredictRoute, **kwargs
+            )
+            return endpoint
+
+        return add
+
+    async def predict_instances(instances: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        bridge.admit()
+        if len(instances) > http.max_instances:
+            raise RequestError(f"{len(instances)} instances, over the limit of {http.max_instances}", 413)
+        with bridge.metrics.request.time():
+            inputs = [_instance(i, item) for i, item in enumerate(instances)]
+            results = await bridge.infer(inputs)
+        return {"predictions": [prediction(result) for result in results]}
+
+    def _instance(index: int, instance: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return instance_inputs(instance, bridge.signature, bridge.image_inputs)
+        except RequestError as exc:
+            raise RequestError(f"instance {index}: {exc}", exc.status) from None
+
+    @post("/predict", response_model=PredictResponse, tags=["BigDL"])
+    async def predict(body: PredictRequest) -> dict[str, list[Any]]:
+        """BigDL Cluster Serving's predict: one prediction per instance, in order."""
+        return await predict_instances(body.instances)
+
+    @post("/v1/models/{model_name}:predict", response_model=PredictResponse, tags=["KServe v1"])
+    async def v1_predict(body: PredictRequest, model_name: str = model_path) -> dict[str, list[Any]]:
+        check_model(model_name)
+        return await predict_instances(body.instances)
+
+    @post("/v2/models/{model_name}/infer", response_model=InferResponse, tags=["KServe v2"])
+    async def v2_infer(body: InferRequest, model_name: str = model_path) -> dict[str, Any]:
         """Open inference protocol: the inputs' first dimension is the batch, split into instances."""
         check_model(model_name)
         bridge.admit()
         with bridge.metrics.request.time():
             instances = v2_instances(
                 [tensor.model_dump() for tensor in body.inputs], bridge.signature,
-                bridge.config.http.max_instances, bridge.config.limits.max_instance_bytes,
+                http.max_instances, bridge.config.limits.max_instance_bytes,
             )
             results = await bridge.infer(instances)
         wanted = [output.name for output in body.outputs] if body.outputs else None
         outputs = v2_outputs(results, bridge.signature.batched, wanted)
-        return InferResponse(model_name=name, id=body.id, outputs=[InferTensor(**output) for output in outputs])
+        return {"model_name": bridge.model_name, **({"id": body.id} if body.id is not None else {}), "outputs": outputs}
 
 
 def drop_unused_422(app: FastAPI) -> None:
@@ -411,9 +481,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def server_config(bridge: Bridge) -> uvicorn.Config:
-    """uvicorn serving the bridge's routes, with the protocol that answers unparsable requests."""
+    """uvicorn serving the bridge's routes, with the protocol that answers unparsable requests. No
+    X-Forwarded-For rewriting (proxy_headers): nothing here reads the client's address, and it is a
+    middleware less per request."""
     return uvicorn.Config(
-        create_app(bridge), http=json_error_protocol(bridge.metrics), log_level="warning", access_log=False, lifespan="off"
+        create_app(bridge), http=json_error_protocol(bridge.metrics), log_level="warning", access_log=False,
+        lifespan="off", proxy_headers=False,
     )
 
 
@@ -426,6 +499,10 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
         signal.signal(signum, lambda *_: None)
     try:
         server = uvicorn.Server(server_config(bridge))
+        # What exists now (modules, the app, the Kafka clients) lives as long as the process: out of
+        # the collector's sight, a full collection no longer walks its 100,000 objects (68 ms, a
+        # stall of every waiting request, about once a second under load).
+        gc.freeze()
         host, port = listener.getsockname()[:2]
         log.info("%shttp://%s:%d (model %r)", READY_LINE, host, port, bridge.model_name)
         await server.serve(sockets=[listener])

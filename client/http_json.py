@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
+import orjson
 
 from client.model_info import NUMPY_DTYPES, V2_DATATYPES, ModelSignature
 from client.queues import result_of
@@ -31,8 +32,20 @@ class RequestError(ValueError):
 
 def strict_json(body: bytes) -> Any:
     """The body as JSON, without Python's extensions: NaN and +-Infinity are not JSON, and read
-    as numbers they would reach the model as non-finite values."""
-    return json.loads(body, parse_constant=_not_json)
+    as numbers they would reach the model as non-finite values.
+
+    orjson reads it, in a seventh to a tenth of `json`'s time; what it refuses goes to `json`,
+    which takes what orjson does not (1e999 as infinity, which `dense_array` then refuses by name;
+    a byte order mark; UTF-16) and words the errors. Integers past 64 bits read as floats."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return json.loads(body, parse_constant=_not_json)
+
+
+def json_bytes(value: Any) -> bytes:
+    """`value` as compact JSON; top-N objects have integer keys, which JSON writes as strings."""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
 
 
 def _not_json(constant: str) -> NoReturn:
@@ -98,7 +111,7 @@ def dense_array(name: str, value: Any, dtype: np.dtype | None) -> np.ndarray:
     else:
         typed = _typed(name, array, dtype)
     # Strict JSON has no NaN or infinities: a non-finite float overflowed (1e39 in float32, 1e999).
-    if typed.dtype.kind == "f" and not np.all(np.isfinite(typed)):
+    if typed.dtype.kind == "f" and not np.isfinite(typed).all():
         raise RequestError(f"input {name!r}: values outside the range of {typed.dtype.name}")
     return typed
 
@@ -109,7 +122,7 @@ def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         raise RequestError(f"input {name!r}: expects strings, got {array.dtype.name} values")
     if (got == "b") != (dtype.kind == "b"):
         raise RequestError(f"input {name!r}: expects {dtype.name}, got {'booleans' if got == 'b' else 'numbers'}")
-    if got == "f" and dtype.kind in "iu" and np.any(array != np.round(array)):
+    if got == "f" and dtype.kind in "iu" and (array != np.round(array)).any():
         raise RequestError(f"input {name!r}: expects {dtype.name}, got fractional values")
     if dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype)
@@ -205,7 +218,7 @@ def _v2_batch(tensors: list[V2Tensor], batched: bool, max_instances: int) -> int
 
 def json_values(array: np.ndarray) -> Any:
     """An array as nested JSON lists; NaN and infinities (not JSON) become null."""
-    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
         return np.where(np.isfinite(array), array.astype(object), None).tolist()
     if array.dtype.kind in "OU":
         return array.astype(str).tolist()

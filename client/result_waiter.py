@@ -96,28 +96,30 @@ class ResultWaiter:
                 log.exception("reading %s failed; retrying", self.topic)
                 self._stop.wait(1.0)
                 continue
-            for records in batches.values():
-                for record in records:
-                    self._handle(record.key, record.value)
+            results = [self._decode(record.key, record.value) for records in batches.values() for record in records]
+            ours = [result for result in results if result is not None]
+            if ours:  # one wake-up of the event loop per poll, not one per result
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._complete, ours)
 
-    def _handle(self, key: bytes | None, value: bytes | None) -> None:
+    def _decode(self, key: bytes | None, value: bytes | None) -> tuple[str, Message] | None:
+        """(uri, result) for a result of this bridge's; None for others' results."""
         uri = key.decode(errors="replace") if key else ""
         if not uri.startswith(self.uri_prefix):
-            return
+            return None
         try:
-            message = decode_message(value or b"", KAFKA_RECORD_BYTES)
+            return uri, decode_message(value or b"", KAFKA_RECORD_BYTES)
         except DecodeError as exc:
-            message = Message(uri, error=f"unreadable result: {exc}")
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._complete, uri, message)
+            return uri, Message(uri, error=f"unreadable result: {exc}")
 
-    def _complete(self, uri: str, message: Message) -> None:
-        future = self._pending.pop(uri, None)
-        if future is not None and not future.done():
-            future.set_result(message)
-        elif uri in self._timed_out:
-            self.on_late()
-            log.info("uri=%s result arrived after its request timed out; dropped", uri)
-        else:
-            self.duplicates += 1
+    def _complete(self, results: list[tuple[str, Message]]) -> None:
+        for uri, message in results:
+            future = self._pending.pop(uri, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+            elif uri in self._timed_out:
+                self.on_late()
+                log.info("uri=%s result arrived after its request timed out; dropped", uri)
+            else:
+                self.duplicates += 1
 

@@ -182,12 +182,12 @@ def test_v2_casts_within_a_kind_and_takes_nested_data(stack: Stack) -> None:
 
 
 def test_unparsable_requests_get_a_counted_json_400(stack: Stack) -> None:
-    """Requests uvicorn's HTTP parser refuses before the app sees them."""
+    """Requests uvicorn's HTTP parser (httptools: llhttp's reasons) refuses before the app sees them."""
     before = metric(stack.url, "cluster_serving.http.responses.400")["count"]
     host, port = stack.url.removeprefix("http://").split(":")
     for headers, reason in [
-        (b"Content-Length: abc\r\n", "bad Content-Length"),
-        (b"Content-Length: 2\r\nContent-Length: 3\r\n", "conflicting Content-Length headers"),
+        (b"Content-Length: abc\r\n", "Invalid character in Content-Length"),
+        (b"Content-Length: 2\r\nContent-Length: 3\r\n", "Duplicate Content-Length"),
     ]:
         with socket.create_connection((host, int(port)), timeout=10) as connection:
             connection.sendall(b"POST /predict HTTP/1.1\r\nHost: bridge\r\n" + headers + b"\r\n{}")

@@ -4,6 +4,7 @@ datatypes checked before any array is built, and every response counted once, 50
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -146,3 +147,26 @@ def test_every_response_is_counted_once(local_bridge: tuple[str, Bridge], monkey
     assert http_call(f"{url}/v2/health/ready") == (500, {"error": "internal error: RuntimeError: readiness check broke"})
     assert responses(bridge) == {401: 1, 413: 1, 503: 1, 429: 1, 400: 1, 500: 1}
 
+
+def test_predict_failures_are_json_errors_and_counted(
+    local_bridge: tuple[str, Bridge], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The predict routes are answered ahead of FastAPI's middleware: an exception in one and a
+    chunked body that streams past the limit still get the JSON error, counted once."""
+    url, bridge = local_bridge
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def broken(instances: list) -> list:
+        raise RuntimeError("producer broke")
+
+    monkeypatch.setattr(bridge, "infer", broken)
+    broke = {"error": "internal error: RuntimeError: producer broke"}
+    assert http_call(f"{url}/predict", ONE, headers=auth) == (500, broke)
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    chunks = iter([b'{"instances": [', b"1, " * 600, b"1]}"])  # no Content-Length: sent chunked
+    connection.request("POST", "/predict", body=chunks, headers=auth, encode_chunked=True)
+    answer = connection.getresponse()
+    assert (answer.status, json.loads(answer.read())) == (413, {"error": "request body over the limit of 1024 bytes"})
+    connection.close()
+    assert responses(bridge) == {500: 1, 413: 1}
