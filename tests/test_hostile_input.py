@@ -188,7 +188,7 @@ def test_hostile_input_hurts_no_one_else(write_config, start_job) -> None:
                    if not str(results.get(uri, {}).get("error", "")).startswith(CORRUPTIONS[kind][1])}
     unexpected = set(results) - {f"ok-{i}" for i in range(VALID)} - set(expected_kind)
 
-    dropped = decode_errors = inference_errors = -1
+    dropped_and_decoded = inference_errors = -1
     deadline = time.monotonic() + 40  # Flink reports user metrics with a lag of about 10 s
     while time.monotonic() < deadline:
         dropped_and_decoded = operator_counter(job, "cluster_serving.decodeErrors")
