@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,12 +52,24 @@ def count_results(config: ServingConfig, isolation_level: str) -> int:
         consumer.close()
 
 
+# Requests per second the clients send: the job serves tens of thousands a second, so an unpaced
+# stream of 10,000 was all answered before a kill at a third of them could land.
+SEND_RATE = 2000
+
+
 def send(config: ServingConfig, features: np.ndarray, first: int = 0) -> Future[int]:
-    """Enqueues one request per row (uris req-<first>...) in the background, as clients keep doing
-    while a job dies; result() waits for the flush and re-raises a client error."""
+    """Enqueues one request per row (uris req-<first>...) in the background at SEND_RATE, as
+    clients keep doing while a job dies; result() waits for the flush and re-raises a client error."""
+    def paced() -> Iterator[tuple[str, dict]]:
+        started = time.monotonic()
+        for i, row in enumerate(features):
+            if i % 100 == 0:
+                time.sleep(max(0.0, started + i / SEND_RATE - time.monotonic()))
+            yield f"req-{first + i}", {"features": row}
+
     def produce() -> int:
         with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
-            return inputs.enqueue_batch((f"req-{first + i}", {"features": row}) for i, row in enumerate(features))
+            return inputs.enqueue_batch(paced())
 
     return ThreadPoolExecutor(max_workers=1).submit(produce)
 
