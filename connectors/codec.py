@@ -438,17 +438,18 @@ _V2_CHARS = {np.dtype(name).char: name for name in NUMERIC_DTYPES} | {"l": "int6
 
 
 def _fits_v2(message: Message) -> bool:
-    return message.error is None and message.top_n is None and all(
-        isinstance(value, np.ndarray) and value.dtype.char in _V2_CHARS for value in message.tensors.values()
-    )
+    return message.error is None and message.top_n is None and _v2_tensors(message.tensors)
+
+
+def _v2_tensors(tensors: dict[str, Value]) -> bool:
+    """Whether version 2 carries these values: dense arrays of number dtypes only."""
+    return all(isinstance(value, np.ndarray) and value.dtype.char in _V2_CHARS for value in tensors.values())
 
 
 def _encode_v2(message: Message) -> bytes:
-    uri = message.uri.encode()
-    arrays = [_little_endian(value) for value in message.tensors.values()]
-    spec = tuple((name, _V2_CHARS[array.dtype.char], array.shape) for name, array in zip(message.tensors, arrays))
-    layout = _v2_layout(spec, message.batch_size, message.inference_us)
-    return b"".join([_V2_URI.pack(V2_MAGIC, len(uri)), uri, _U32.pack(len(layout)), layout, *arrays])
+    """The one-row case of encode_rows."""
+    rows = {name: value[np.newaxis] for name, value in message.tensors.items()}
+    return encode_rows([message.uri], rows, message.batch_size, message.inference_us)[0]
 
 
 def encode_rows(
@@ -457,7 +458,7 @@ def encode_rows(
     """One message per uri, holding row i of every stacked tensor (first dimension len(uris)): the
     results of one batched run. Version 2 shares one layout and one copy of each tensor among the
     rows; other dtypes (strings) go through encode_message row by row."""
-    if not all(isinstance(value, np.ndarray) and value.dtype.char in _V2_CHARS for value in tensors.values()):
+    if not _v2_tensors(tensors):
         return [
             encode_message(Message(uri, {name: value[i] for name, value in tensors.items()}, batch_size=batch_size,
                                    inference_us=inference_us))
@@ -507,9 +508,8 @@ def _decode_v2(payload: bytes) -> Message:
     if layout_length > MAX_LAYOUT_BYTES or at + layout_length > len(payload):
         raise DecodeError(f"version 2 layout of {layout_length} bytes does not fit the message")
     layout = bytes(payload[at:at + layout_length])
-    tensors, batch_size, inference_us = _v2_parse_layout(layout)
+    tensors, needed, batch_size, inference_us = _v2_parse_layout(layout)
     at += layout_length
-    needed = sum(nbytes for _, _, _, nbytes in tensors)
     if needed != len(payload) - at:
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
     values = {}
@@ -520,8 +520,11 @@ def _decode_v2(payload: bytes) -> Message:
 
 
 @functools.lru_cache(maxsize=64)
-def _v2_parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int | None, int | None]:
-    """The checked layout: (name, dtype, shape, bytes) per tensor, batch size, inference time.
+def _v2_parse_layout(
+    text: bytes,
+) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int, int | None, int | None]:
+    """The checked layout: (name, dtype, shape, bytes) per tensor, the bytes of all the values,
+    batch size, inference time.
     Cached (a failed parse raises and is not), so a stream of like messages parses it once."""
     try:
         layout = json.loads(text)
@@ -540,7 +543,8 @@ def _v2_parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, 
     names = [name for name, *_ in tensors]
     if len(set(names)) != len(names):
         raise DecodeError("a tensor name appears more than once")
-    return tensors, _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us")
+    needed = sum(nbytes for *_, nbytes in tensors)
+    return tensors, needed, _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us")
 
 
 def _layout_count(layout: dict, key: str) -> int | None:
