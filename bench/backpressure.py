@@ -26,9 +26,9 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.run import ResultReader, enqueue_all, percentiles, raw_onnxruntime
-from client.processes import EmbeddedJob, LocalBroker, free_port, group_rss_mb, write_run_config
+from ops.processes import EmbeddedJob, LocalBroker, free_port, group_rss_mb, write_run_config
 from conf import ServingConfig, load_config
-from conf.sample_model import FEATURES, IR_VERSION, OPSET
+from ops.sample_model import FEATURES, IR_VERSION, OPSET
 from connectors.admin import LagProbe, ensure_topics
 
 WIDTH = 1024

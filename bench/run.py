@@ -49,7 +49,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.models import BenchModel, bench_models
-from client.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
 from conf import ServingConfig, load_config
 from connectors.admin import ensure_topics

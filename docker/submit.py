@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from conf import JOB_NAME, ServingConfig, load_config
-from conf.sample_model import build_sample_model
+from ops.sample_model import build_sample_model
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"

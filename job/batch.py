@@ -1,6 +1,6 @@
 """The micro-batcher: groups requests per key and flushes at `batch_size` or `max_delay_ms`.
 
-It runs in the JVM (connectors/java/MicroBatchOperator.java), chained to the Kafka source: a
+It runs in the JVM (job/java/MicroBatchOperator.java), chained to the Kafka source: a
 batcher in Python cost a Python call and a state access per request, most of the job's time, and a
 keyed one a network exchange per request. Waiting requests are operator state, so a checkpoint
 taken while a batch is filling includes them: after a restore they are flushed, never lost with

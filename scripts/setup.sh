@@ -69,12 +69,12 @@ if [ ! -f "$kafka_stamp" ]; then
 fi
 
 helper=$JARS/cluster-serving-flink.jar
-if [ ! -f "$helper" ] || [ -n "$(find connectors/java "$JARS/flink-sql-connector-kafka.jar" -newer "$helper")" ]; then
+if [ ! -f "$helper" ] || [ -n "$(find job/java "$JARS/flink-sql-connector-kafka.jar" -newer "$helper")" ]; then
   log "compiling $helper"
   pyflink=$("$VENV/bin/python" -c 'import os, pyflink; print(os.path.dirname(pyflink.__file__))')
   classes=$(mktemp -d)
   javac -nowarn --release 11 -d "$classes" \
-    -cp "$pyflink/lib/*:$JARS/flink-sql-connector-kafka.jar" connectors/java/*.java
+    -cp "$pyflink/lib/*:$JARS/flink-sql-connector-kafka.jar" job/java/*.java
   (cd "$classes" && jar cf "$helper" .)
   rm -rf "$classes"
 fi

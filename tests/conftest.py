@@ -15,9 +15,9 @@ import onnxruntime as ort
 import pytest
 
 from client import InputQueue, OutputQueue
-from client.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
+from ops.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
 from conf import ServingConfig, load_config
-from conf.sample_model import FEATURES, build_sample_model
+from ops.sample_model import FEATURES, build_sample_model
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ import pytest
 
 from bench.backpressure import raw_capacity, run, slow_model
 from client import InputQueue, OutputQueue, QueueFullError
-from client.processes import EmbeddedJob, write_run_config
+from ops.processes import EmbeddedJob, write_run_config
 from conf import ServingConfig, load_config
-from conf.sample_model import FEATURES
+from ops.sample_model import FEATURES
 
 BURST_SECONDS = 10
 FACTOR = 5

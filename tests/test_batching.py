@@ -8,7 +8,7 @@ import numpy as np
 from kafka import KafkaConsumer
 
 from client import InputQueue, OutputQueue
-from conf.sample_model import FEATURES
+from ops.sample_model import FEATURES
 from connectors.codec import decode_message
 
 MAX_DELAY_MS = 500

@@ -8,13 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from client.processes import PROJECT_ROOT
-from conf.sample_model import FEATURES
+from ops.processes import PROJECT_ROOT
+from ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], cwd=PROJECT_ROOT,
+    return subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=PROJECT_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -33,7 +33,7 @@ def test_start_status_stop(write_config) -> None:
     path, config = write_config()
     url = f"http://127.0.0.1:{config.http.port}"
     start = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "start", "-c", str(path)], cwd=PROJECT_ROOT,
+        [sys.executable, "-m", "ops.cli", "start", "-c", str(path)], cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

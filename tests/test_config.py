@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conf import ConfigError, load_config
-from client.processes import free_port
+from ops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import port_in_use
+from ops.cli import port_in_use
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,7 +23,7 @@ DEMO_PORTS = (9092, 8081, 10020)  # broker, Flink web UI, HTTP bridge
 )
 def test_demo_prints_predictions_and_cleans_up(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "client.cli", "demo", "--no-wait", "--requests", "3", "--folder", str(tmp_path)],
+        [sys.executable, "-m", "ops.cli", "demo", "--no-wait", "--requests", "3", "--folder", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr

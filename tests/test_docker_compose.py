@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from client.cli import parser as cli_parser
+from ops.cli import parser as cli_parser
 from conf import load_config
 from conf.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR, PROJECT_ROOT
 from connectors.local_broker import SINGLE_NODE_SETTINGS

@@ -9,8 +9,8 @@ import numpy as np
 from kafka import KafkaProducer
 
 from client import InputQueue, OutputQueue
-from client.processes import process_group_members
-from conf.sample_model import FEATURES
+from ops.processes import process_group_members
+from ops.sample_model import FEATURES
 from tests.conftest import assert_served
 
 COUNT = 2000

@@ -23,8 +23,8 @@ from PIL import Image
 
 from client import OutputQueue
 from client.instances import encode_request
-from client.processes import EmbeddedJob, group_rss_mb
-from conf.sample_model import FEATURES
+from ops.processes import EmbeddedJob, group_rss_mb
+from ops.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message
 from tests.arrow_streams import one_batch_stream
 from tests.forged_images import jpeg_header, png_header

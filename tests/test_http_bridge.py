@@ -22,10 +22,10 @@ import pytest
 import yaml
 
 from client import InputQueue, PredictError
-from client.http_bridge import listen
-from client.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from bridge.server import listen
+from ops.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from conf import load_config
-from conf.sample_model import FEATURES
+from ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 TOKEN = "test-token-5f1c"

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from client.processes import EmbeddedJob, HttpBridge, write_run_config
+from ops.processes import EmbeddedJob, HttpBridge, write_run_config
 from conf import load_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import uvicorn
 
-from client.bridge import Bridge
-from client.http_bridge import listen, server_config
-from client.http_json import RequestError, dense_array, strict_json, v2_instances
-from client.model_info import ModelSignature, TensorInfo, read_signature
-from client.processes import free_port, write_run_config
+from bridge.dataplane import Bridge
+from bridge.server import listen, server_config
+from bridge.http_json import RequestError, dense_array, strict_json, v2_instances
+from bridge.model_info import ModelSignature, TensorInfo, read_signature
+from ops.processes import free_port, write_run_config
 from conf import load_config
-from conf.sample_model import FEATURES
+from ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 TOKEN = "strict-token-9a2e"

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from client import InputQueue, OutputQueue, SparseTensor
-from client.processes import write_run_config
+from ops.processes import write_run_config
 from conf import load_config
 from tests.onnx_models import graph_model
 

@@ -15,7 +15,7 @@ from kafka.errors import MessageSizeTooLargeError
 from onnx import TensorProto, helper
 
 from client import InputQueue, OutputQueue
-from client.processes import write_run_config
+from ops.processes import write_run_config
 from conf import KAFKA_RECORD_BYTES, ServingConfig, load_config
 from tests.onnx_models import graph_model
 

@@ -20,9 +20,9 @@ import onnxruntime as ort
 from kafka import KafkaConsumer, TopicPartition
 
 from client import InputQueue, OutputQueue
-from client.processes import EmbeddedJob, write_run_config
+from ops.processes import EmbeddedJob, write_run_config
 from conf import ServingConfig, load_config
-from conf.sample_model import FEATURES
+from ops.sample_model import FEATURES
 from connectors.admin import records_written
 from tests.conftest import collect
 
@@ -114,7 +114,7 @@ def test_exactly_once_sigkill_shows_every_result_once(broker, sample_model: Path
 class StartedByCli(EmbeddedJob):
     """The job as an operator restarts it: `cluster-serving start --no-http -c CONFIG`."""
 
-    module = "client.cli"
+    module = "ops.cli"
 
     def __init__(self, config_path: Path, rest_port: int, log_path: Path):
         super().__init__(config_path, rest_port, log_path)

@@ -12,8 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
-from client.processes import HttpBridge, free_port
-from conf.sample_model import FEATURES
+from ops.processes import HttpBridge, free_port
+from ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
 REQUESTS = 2000

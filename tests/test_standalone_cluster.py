@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from client.flink_cluster import StandaloneCluster
-from client.processes import HttpBridge, flink_rest, free_port, wait_until_running
-from conf.sample_model import FEATURES
+from tests.flink_cluster import StandaloneCluster
+from ops.processes import HttpBridge, flink_rest, free_port, wait_until_running
+from ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from types import TracebackType
 import pyflink
 import yaml
 
-from client.processes import PROJECT_ROOT, flink_rest, free_port
+from ops.processes import PROJECT_ROOT, flink_rest, free_port
 
 log = logging.getLogger(__name__)
 
@@ -255,8 +255,8 @@ def _names_dir(args: list[str], directory: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Writes a cluster's conf/ and lib/ and prints the shell lines that point PyFlink's
-    start-cluster.sh, flink and stop-cluster.sh at them: `eval "$(python -m client.flink_cluster DIR)"`."""
-    parser = argparse.ArgumentParser(prog="python -m client.flink_cluster", description=main.__doc__)
+    start-cluster.sh, flink and stop-cluster.sh at them: `eval "$(python -m tests.flink_cluster DIR)"`."""
+    parser = argparse.ArgumentParser(prog="python -m tests.flink_cluster", description=main.__doc__)
     parser.add_argument("dir", type=Path, help="the cluster's folder (conf/, lib/, log/, pid/)")
     parser.add_argument("--rest-port", type=int, default=8081, help="web UI and REST API (default 8081)")
     parser.add_argument("--rpc-port", type=int, default=6123, help="JobManager RPC (default 6123)")

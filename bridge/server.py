@@ -1,6 +1,6 @@
 """The HTTP bridge: BigDL's `/predict` and `/metrics`, KServe v1 and v2 routes, one JSON error shape.
 
-    python -m client.http_bridge --config run/serving/config.yaml     (or: cluster-serving http)
+    python -m bridge.server --config run/serving/config.yaml     (or: cluster-serving http)
 
 FastAPI (what KServe's own model server is built on) routes the requests and writes the OpenAPI
 document at /openapi.json; uvicorn serves it. Every error is `{"error": "<message>"}`.
@@ -31,9 +31,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from client.bridge import Bridge
-from client.bridge_metrics import BridgeMetrics
-from client.http_json import (
+from bridge.dataplane import Bridge
+from bridge.metrics import BridgeMetrics
+from bridge.http_json import (
     RequestError, instance_inputs, json_bytes, prediction, strict_json, v2_instances, v2_outputs,
 )
 from conf import ConfigError, load_config
@@ -513,7 +513,7 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="client.http_bridge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bridge.server", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
     return serve(parser.parse_args(argv).config)
 

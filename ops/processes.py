@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from client.http_bridge import READY_LINE
+from bridge.server import READY_LINE
 from connectors.local_broker import READY_PREFIX
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -238,9 +238,9 @@ class LocalBroker(ChildProcess):
 
 
 class HttpBridge(ChildProcess):
-    """The HTTP bridge (`python -m client.http_bridge --config ...`); `url` once it is ready."""
+    """The HTTP bridge (`python -m bridge.server --config ...`); `url` once it is ready."""
 
-    module = "client.http_bridge"
+    module = "bridge.server"
     ready_pattern = re.compile(re.escape(READY_LINE) + r"(?P<url>\S+)")
 
     def __init__(self, config_path: str | Path, log_path: str | Path | None = None):

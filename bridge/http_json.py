@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import numpy as np
 import orjson
 
-from client.model_info import NUMPY_DTYPES, V2_DATATYPES, ModelSignature
+from bridge.model_info import NUMPY_DTYPES, V2_DATATYPES, ModelSignature
 from client.queues import result_of
 from connectors.codec import Message, SparseTensor
 

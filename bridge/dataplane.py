@@ -1,7 +1,7 @@
 """The serving state behind the HTTP routes: enqueue instances with fresh uris, await their results.
 
 `Bridge` owns the Kafka producer, the single result-topic reader (`ResultWaiter`), the metrics,
-the rate limit and the readiness check; `client.http` only turns HTTP into calls on it.
+the rate limit and the readiness check; `bridge.server` only turns HTTP into calls on it.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
-from client.bridge_metrics import BridgeMetrics
-from client.http_json import RequestError
+from bridge.metrics import BridgeMetrics
+from bridge.http_json import RequestError
 from client.instances import encode_request
-from client.model_info import read_signature
-from client.operations import flink_job
-from client.result_waiter import ResultWaiter
+from bridge.model_info import read_signature
+from ops.operations import flink_job
+from bridge.result_waiter import ResultWaiter
 from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
 from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
 from connectors.codec import Message

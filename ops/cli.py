@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -26,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from client.operations import StartRecord, status_lines, stop_started
-from client.processes import EmbeddedJob, HttpBridge, LocalBroker
+from ops.operations import StartRecord, status_lines, stop_started
+from ops.processes import EmbeddedJob, HttpBridge, LocalBroker
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
-from conf.sample_model import FEATURES, build_sample_model
+from ops.sample_model import FEATURES, build_sample_model
 from connectors.admin import broker_reachable
 
 
@@ -97,7 +98,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     broker = start_local_broker(config) if args.local_broker else None
     config_args = ["--config", args.config] if args.config else []
     job_args = ["--fresh"] if args.fresh else []
-    commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["client.http_bridge", *config_args]])
+    commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["bridge.server", *config_args]])
     children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
     StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
     print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
@@ -139,7 +140,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_http(args: argparse.Namespace) -> int:
-    from client.http_bridge import serve
+    from bridge.server import serve
 
     return serve(args.config)
 
@@ -269,15 +270,21 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def run_external(module: str, argv: list[str]) -> None:
+    """Replaces this process with `python -m module argv`, the way git runs `git-<name>` commands:
+    the benchmark is a development tool beside the product, so the CLI names it but never imports it."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise ConfigError(f"{module.split('.')[0]} is not installed: it runs from a clone of the repository (./run.sh bench)")
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from bench.run import main as bench_main
-
-        return bench_main(argv[1:])
-    args = parser().parse_args(argv)
     try:
+        if argv[:1] == ["bench"]:
+            run_external("bench.run", argv[1:])
+        args = parser().parse_args(argv)
         return args.run(args)
     except (ConfigError, RuntimeError) as exc:  # RuntimeError: a child that did not start, with its log
         print(f"error: {exc}", file=sys.stderr)

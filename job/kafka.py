@@ -2,7 +2,7 @@
 
 Records travel as Row(uri, payload bytes): the Kafka key is the uri, the value is a codec message.
 PyFlink (2.2) has no schema that reads the key or writes a Row field as the key, so two small
-Java classes (connectors/java, compiled by scripts/setup.sh into build/jars) do that.
+Java classes (job/java, compiled by scripts/setup.sh into build/jars) do that.
 """
 
 from __future__ import annotations
