@@ -54,7 +54,8 @@ from client.queues import InputQueue
 from conf import ServingConfig, load_config
 from connectors.admin import ensure_topics
 from connectors.codec import decode_message
-from job.model import ORT_DTYPES, open_session
+from connectors.tensors import ONNX_DTYPES
+from job.model import open_session
 
 # Distinct instances per model; requests cycle through them (a CNN backlog would otherwise be
 # 100 MB of client memory).
@@ -199,7 +200,7 @@ def ready_batch(session: ort.InferenceSession, batch_size: int) -> dict[str, np.
     """Random feeds of `batch_size` instances for every input of the session (fixed instance shapes)."""
     rng = np.random.default_rng(1)
     return {
-        node.name: rng.normal(size=(batch_size, *node.shape[1:])).astype(ORT_DTYPES[node.type])
+        node.name: rng.normal(size=(batch_size, *node.shape[1:])).astype(ONNX_DTYPES[node.type])
         for node in session.get_inputs()
     }
 

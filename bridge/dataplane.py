@@ -20,7 +20,7 @@ from kafka.errors import KafkaError
 
 from bridge.metrics import BridgeMetrics
 from bridge.http_json import RequestError
-from client.instances import encode_request
+from connectors.inputs import encode_request
 from bridge.model_info import read_signature
 from ops.operations import flink_job
 from bridge.result_waiter import ResultWaiter

@@ -17,9 +17,10 @@ from typing import Any, NoReturn
 import numpy as np
 import orjson
 
-from bridge.model_info import NUMPY_DTYPES, V2_DATATYPES, ModelSignature
-from client.queues import result_of
-from connectors.codec import Message, SparseTensor
+from bridge.model_info import ModelSignature
+from connectors.codec import Message, Value
+from connectors.inputs import json_inputs, result_of
+from connectors.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
 
 
 class RequestError(ValueError):
@@ -52,84 +53,17 @@ def _not_json(constant: str) -> NoReturn:
     raise json.JSONDecodeError(f"{constant} is not a JSON value", "", 0)
 
 
-def instance_inputs(instance: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> dict[str, Any]:
-    """One `instances` entry -> the inputs `encode_request` takes (ndarray, {'b64'}, SparseTensor)."""
-    if not isinstance(instance, dict) or not instance:
-        raise RequestError("an instance must be a non-empty JSON object of input name -> value")
-    return {name: _instance_input(name, value, signature, image_inputs) for name, value in instance.items()}
-
-
-def _instance_input(name: str, value: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> Any:
-    info = signature.input(name)
-    dtype = info.dtype if info else None
-    if isinstance(value, dict):
-        if set(value) == {"b64"} and isinstance(value["b64"], str):
-            return {"b64": value["b64"]}
-        if {"shape", "data", "indices"} <= set(value):
-            return sparse_tensor(name, value, dtype)
-        raise RequestError(
-            f"input {name!r}: an object must be an image {{'b64': '...'}} or a sparse tensor "
-            "{'shape': [...], 'data': [...], 'indices': [[...], ...]}"
-        )
-    if name in image_inputs and isinstance(value, str):
-        return {"b64": value}
-    return dense_array(name, value, dtype)
-
-
-def sparse_tensor(name: str, value: dict, dtype: np.dtype | None) -> SparseTensor:
-    """{'shape', 'data', 'indices'} as in the programming guide: one index row per value."""
-    shape = dense_array(f"{name}.shape", value["shape"], np.dtype("int64"))
-    values = dense_array(f"{name}.data", value["data"], dtype)
-    indices = dense_array(f"{name}.indices", value["indices"], np.dtype("int64"))
-    if shape.ndim != 1 or values.ndim != 1:
-        raise RequestError(f"input {name!r}: sparse 'shape' and 'data' must be flat lists")
-    if indices.size == 0:
-        indices = indices.reshape(0, len(shape))
-    if indices.ndim != 2 or indices.shape != (len(values), len(shape)):
-        raise RequestError(
-            f"input {name!r}: sparse 'indices' must hold one list of {len(shape)} indices per value"
-        )
-    return SparseTensor(indices=indices, values=values, shape=tuple(int(dim) for dim in shape))
-
-
-def dense_array(name: str, value: Any, dtype: np.dtype | None) -> np.ndarray:
-    """A JSON scalar or nested list as an array of `dtype` (None: numpy's own guess)."""
+def instance_inputs(instance: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> dict[str, Value]:
+    """One `instances` entry -> its wire values, typed by the model's signature."""
     try:
-        array = np.asarray(value)
-    except ValueError:
-        raise RequestError(f"input {name!r}: nested lists must be rectangular") from None
-    if array.dtype.kind == "U":
-        if dtype is not None and dtype.kind != "O":
-            raise RequestError(f"input {name!r}: expects {dtype.name} numbers, got strings")
-        return array
-    if array.dtype.kind == "O":
-        raise RequestError(f"input {name!r}: values must be all numbers, all booleans or all strings")
-    if dtype is None:
-        typed = array
-    elif array.size == 0 and dtype.kind != "O":
-        typed = array.astype(dtype)  # an empty list has no values to check
-    else:
-        typed = _typed(name, array, dtype)
-    # Strict JSON has no NaN or infinities: a non-finite float overflowed (1e39 in float32, 1e999).
-    if typed.dtype.kind == "f" and not np.isfinite(typed).all():
-        raise RequestError(f"input {name!r}: values outside the range of {typed.dtype.name}")
-    return typed
+        return json_inputs(instance, lambda name: _dtype(signature, name), image_inputs)
+    except TensorError as exc:
+        raise RequestError(str(exc)) from None
 
 
-def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    got = array.dtype.kind
-    if dtype.kind == "O":
-        raise RequestError(f"input {name!r}: expects strings, got {array.dtype.name} values")
-    if (got == "b") != (dtype.kind == "b"):
-        raise RequestError(f"input {name!r}: expects {dtype.name}, got {'booleans' if got == 'b' else 'numbers'}")
-    if got == "f" and dtype.kind in "iu" and (array != np.round(array)).any():
-        raise RequestError(f"input {name!r}: expects {dtype.name}, got fractional values")
-    if dtype.kind in "iu" and array.size:
-        info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
-            raise RequestError(f"input {name!r}: values outside the range of {dtype.name}")
-    with np.errstate(over="ignore"):  # a float overflow becomes inf, which dense_array refuses
-        return array.astype(dtype)
+def _dtype(signature: ModelSignature, name: str) -> np.dtype | None:
+    info = signature.input(name)
+    return info.dtype if info else None
 
 
 @dataclass(frozen=True)
@@ -157,7 +91,11 @@ def v2_instances(
     instance_bytes = sum(math.prod(tensor.shape) * tensor.dtype.itemsize for tensor in tensors) // count
     if instance_bytes > max_instance_bytes:  # strings counted as pointers: a lower bound
         raise RequestError(f"{instance_bytes} bytes of values per instance, over the limit of {max_instance_bytes}", 413)
-    arrays = {tensor.name: dense_array(tensor.name, tensor.data, tensor.dtype).reshape(tensor.shape) for tensor in tensors}
+    try:
+        arrays = {tensor.name: dense_array(tensor.name, tensor.data, tensor.dtype, from_json=True).reshape(tensor.shape)
+                  for tensor in tensors}
+    except TensorError as exc:
+        raise RequestError(str(exc)) from None
     if not signature.batched:
         return [arrays]
     return [{name: array[i] for name, array in arrays.items()} for i in range(count)]
@@ -186,9 +124,9 @@ def _v2_dtype(name: str, datatype: str, signature: ModelSignature) -> np.dtype:
     """The dtype to type the data as: the model's for an input it has, so values are checked
     against the range the model takes. A datatype of another kind is refused: the job casts
     INT32 or BOOL to FP32 without a word."""
-    if datatype not in NUMPY_DTYPES:
-        raise RequestError(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(NUMPY_DTYPES)})")
-    declared, info = NUMPY_DTYPES[datatype], signature.input(name)
+    if datatype not in V2_NUMPY_DTYPES:
+        raise RequestError(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
+    declared, info = V2_NUMPY_DTYPES[datatype], signature.input(name)
     if info is None:
         return declared  # the job names the unknown input
     if _kind(declared) != _kind(info.dtype):

@@ -33,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from bridge.dataplane import Bridge
 from bridge.metrics import BridgeMetrics
+from bridge.model_info import tensor_metadata
 from bridge.http_json import (
     RequestError, instance_inputs, json_bytes, prediction, strict_json, v2_instances, v2_outputs,
 )
@@ -368,8 +369,8 @@ def add_routes(app: FastAPI, bridge: Bridge) -> None:
         signature = bridge.signature
         return ModelMetadata(
             name=name, versions=["1"], platform=PLATFORM,
-            inputs=[TensorMetadata(**info.metadata()) for info in signature.inputs],
-            outputs=[TensorMetadata(**info.metadata()) for info in signature.outputs],
+            inputs=[TensorMetadata(**tensor_metadata(info)) for info in signature.inputs],
+            outputs=[TensorMetadata(**tensor_metadata(info)) for info in signature.outputs],
         )
 
     @app.get("/v2/models/{model_name}/ready", responses=errors(401, 404, 503), tags=["KServe v2"])

@@ -20,10 +20,10 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from client.instances import encode_request
 from conf import KAFKA_RECORD_BYTES
 from connectors.admin import READ_COMMITTED, LagProbe
-from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, DecodeError, Message, decode_message
+from connectors.codec import DecodeError, decode_message
+from connectors.inputs import Result, encode_request, result_of
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,6 @@ PROGRESS_EVERY_S = 1.0
 # The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
 LAG_CHECK_EVERY_S = 0.5
 WHEN_FULL = ("block", "refuse")
-Result = dict[Any, Any]
 
 
 class QueueFullError(RuntimeError):
@@ -215,19 +214,6 @@ def _error_text(body: bytes) -> str:
         return str(json.loads(body)["error"])
     except (ValueError, KeyError, TypeError):
         return body.decode(errors="replace")
-
-
-def result_of(message: Message) -> Result:
-    """A result as users see it: output name -> ndarray; with top_n, {class index: probability}
-    best first; or {'error': message}."""
-    if message.error is not None:
-        return {"error": message.error}
-    if message.top_n is not None:
-        classes, probabilities = message.tensors.get(TOP_N_CLASSES), message.tensors.get(TOP_N_PROBABILITIES)
-        if classes is None or probabilities is None:
-            return {"error": "unreadable result: a top-N result without classes and probabilities"}
-        return {int(cls): float(prob) for cls, prob in zip(classes, probabilities)}
-    return dict(message.tensors)
 
 
 class OutputQueue:

@@ -4,30 +4,14 @@ stacking instances into one batched run and splitting the outputs again."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-log = logging.getLogger(__name__)
+from connectors.tensors import TensorError, TensorSpec, onnx_spec, stacks
 
-# ONNX Runtime's type strings -> numpy dtypes (strings travel as numpy object arrays).
-ORT_DTYPES: dict[str, np.dtype] = {
-    "tensor(float)": np.dtype("float32"),
-    "tensor(double)": np.dtype("float64"),
-    "tensor(float16)": np.dtype("float16"),
-    "tensor(int8)": np.dtype("int8"),
-    "tensor(int16)": np.dtype("int16"),
-    "tensor(int32)": np.dtype("int32"),
-    "tensor(int64)": np.dtype("int64"),
-    "tensor(uint8)": np.dtype("uint8"),
-    "tensor(uint16)": np.dtype("uint16"),
-    "tensor(uint32)": np.dtype("uint32"),
-    "tensor(uint64)": np.dtype("uint64"),
-    "tensor(bool)": np.dtype("bool"),
-    "tensor(string)": np.dtype("object"),
-}
+log = logging.getLogger(__name__)
 
 
 class ModelError(RuntimeError):
@@ -36,17 +20,6 @@ class ModelError(RuntimeError):
 
 class InvalidInput(ValueError):
     """An instance does not fit the model: missing, unknown, mistyped or misshapen inputs."""
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int | None, ...]  # None for symbolic or unknown dimensions
-
-    @property
-    def has_batch_dim(self) -> bool:
-        return len(self.shape) > 0 and self.shape[0] is None
 
 
 def open_session(path: Path, device: str, threads: int = 1) -> ort.InferenceSession:
@@ -85,13 +58,15 @@ class OnnxModel:
     ):
         self.session = open_session(path, device, threads)
         self.provider = self.session.get_providers()[0]
-        self.inputs = [_input_spec(node) for node in self.session.get_inputs()]
+        try:
+            self.inputs = [onnx_spec(node.name, node.type, node.shape) for node in self.session.get_inputs()]
+        except TensorError as exc:
+            raise ModelError(str(exc)) from None
         model_outputs = [node.name for node in self.session.get_outputs()]
         _check_inputs(inputs, [spec.name for spec in self.inputs])
         _check_outputs(outputs, model_outputs)
         self.output_names = list(outputs) or model_outputs
-        # Instances are stacked into one run only when every input has a free leading dimension.
-        self.batched = bool(self.inputs) and all(spec.has_batch_dim for spec in self.inputs)
+        self.batched = stacks(self.inputs)
 
     def prepare(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Checks one instance against the model and casts within a dtype kind (float64 -> float32)."""
@@ -100,7 +75,7 @@ class OnnxModel:
             raise InvalidInput(f"unknown input {unknown[0]!r}; the model takes {self._input_names()}")
         return {spec.name: self._prepare_one(spec, tensors) for spec in self.inputs}
 
-    def _prepare_one(self, spec: InputSpec, tensors: dict[str, np.ndarray]) -> np.ndarray:
+    def _prepare_one(self, spec: TensorSpec, tensors: dict[str, np.ndarray]) -> np.ndarray:
         if spec.name not in tensors:
             raise InvalidInput(f"missing input {spec.name!r}; the model takes {self._input_names()}")
         value = tensors[spec.name]
@@ -138,13 +113,6 @@ class OnnxModel:
 
     def _input_names(self) -> str:
         return ", ".join(spec.name for spec in self.inputs)
-
-
-def _input_spec(node: ort.NodeArg) -> InputSpec:
-    if node.type not in ORT_DTYPES:
-        raise ModelError(f"input {node.name!r} has unsupported type {node.type}")
-    shape = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in node.shape)
-    return InputSpec(node.name, ORT_DTYPES[node.type], shape)
 
 
 def _castable(got: np.dtype, want: np.dtype) -> bool:

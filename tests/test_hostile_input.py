@@ -22,7 +22,7 @@ from kafka import KafkaProducer
 from PIL import Image
 
 from client import OutputQueue
-from client.instances import encode_request
+from connectors.inputs import encode_request
 from ops.processes import EmbeddedJob, group_rss_mb
 from ops.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message

@@ -17,8 +17,9 @@ import uvicorn
 
 from bridge.dataplane import Bridge
 from bridge.server import listen, server_config
-from bridge.http_json import RequestError, dense_array, strict_json, v2_instances
-from bridge.model_info import ModelSignature, TensorInfo, read_signature
+from bridge.http_json import RequestError, strict_json, v2_instances
+from bridge.model_info import ModelSignature, read_signature
+from connectors.tensors import TensorError, TensorSpec, dense_array
 from ops.processes import free_port, write_run_config
 from conf import load_config
 from ops.sample_model import FEATURES
@@ -50,8 +51,8 @@ def test_strict_json_refuses_what_json_has_not(constant: str) -> None:
     ],
 )
 def test_dense_values_out_of_the_dtype_are_refused(value: list, dtype: str | None, message: str) -> None:
-    with pytest.raises(RequestError, match=f"input 'x': {message}"):
-        dense_array("x", value, None if dtype is None else np.dtype(dtype))
+    with pytest.raises(TensorError, match=f"input 'x': {message}"):
+        dense_array("x", value, None if dtype is None else np.dtype(dtype), from_json=True)
 
 
 def test_dense_values_within_the_dtype_are_typed() -> None:
@@ -98,7 +99,7 @@ def test_v2_casts_within_a_kind_and_takes_nested_data(signature: ModelSignature)
         instances = v2_instances([v2([2, FEATURES], data, "FP64")], signature, max_instances=4, max_instance_bytes=1024)
         assert [instance["features"].dtype for instance in instances] == [np.float32, np.float32]
         np.testing.assert_array_equal(np.stack([instance["features"] for instance in instances]), rows)
-    uint8 = ModelSignature((TensorInfo("pixels", np.dtype("uint8"), (None, 2)),), ())
+    uint8 = ModelSignature((TensorSpec("pixels", np.dtype("uint8"), (None, 2)),), ())
     (instance,) = v2_instances([v2([1, 2], [7, 255], "INT64", "pixels")], uint8, max_instances=4, max_instance_bytes=1024)
     assert instance["pixels"].dtype == np.uint8
     with pytest.raises(RequestError, match="input 'pixels': values outside the range of uint8"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client.instances import wire_value
+from connectors.inputs import wire_value
 from conf import ImageConfig, LimitsConfig, load_config
 from connectors.codec import EncodedImage, Message, SparseTensor
 from job.model import InvalidInput

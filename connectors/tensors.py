@@ -1,0 +1,124 @@
+"""Tensors as every room names them: one dtype table (numpy, ONNX, the open inference protocol),
+one description of a model's tensors with the rule for when instances stack into one run, and the
+one conversion of user values (numbers, nested lists, strings) into arrays.
+
+The job reads tensors from ONNX Runtime, the bridge from the ONNX file and JSON, the client from
+Python values; they must agree on every name and rule, so each is written here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# numpy dtype name -> (the ONNX type as ONNX Runtime and onnx print it, the v2 protocol's datatype).
+# Strings are numpy object arrays of str.
+_DTYPES: dict[str, tuple[str, str]] = {
+    "bool": ("tensor(bool)", "BOOL"),
+    "uint8": ("tensor(uint8)", "UINT8"),
+    "uint16": ("tensor(uint16)", "UINT16"),
+    "uint32": ("tensor(uint32)", "UINT32"),
+    "uint64": ("tensor(uint64)", "UINT64"),
+    "int8": ("tensor(int8)", "INT8"),
+    "int16": ("tensor(int16)", "INT16"),
+    "int32": ("tensor(int32)", "INT32"),
+    "int64": ("tensor(int64)", "INT64"),
+    "float16": ("tensor(float16)", "FP16"),
+    "float32": ("tensor(float)", "FP32"),
+    "float64": ("tensor(double)", "FP64"),
+    "object": ("tensor(string)", "BYTES"),
+}
+ONNX_DTYPES: dict[str, np.dtype] = {onnx: np.dtype(name) for name, (onnx, _) in _DTYPES.items()}
+V2_DATATYPES: dict[str, str] = {name: v2 for name, (_, v2) in _DTYPES.items()}
+V2_NUMPY_DTYPES: dict[str, np.dtype] = {v2: np.dtype(name) for name, (_, v2) in _DTYPES.items()}
+
+
+class TensorError(ValueError):
+    """A value that is not a tensor the model can take; the message names the input."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model."""
+
+    name: str
+    dtype: np.dtype  # object for strings
+    shape: tuple[int | None, ...]  # None: symbolic or unknown
+
+    @property
+    def has_batch_dim(self) -> bool:
+        return len(self.shape) > 0 and self.shape[0] is None
+
+    @property
+    def datatype(self) -> str:
+        """The open inference protocol's name of the dtype."""
+        return V2_DATATYPES[self.dtype.name]
+
+
+def onnx_spec(name: str, onnx_type: str, dims: list[Any]) -> TensorSpec:
+    """A model tensor from its ONNX type string and dimensions (ints, or names and None for free
+    ones); a type outside the table raises TensorError."""
+    if onnx_type not in ONNX_DTYPES:
+        raise TensorError(f"tensor {name!r} has unsupported type {onnx_type}")
+    shape = tuple(dim if isinstance(dim, int) and dim >= 0 else None for dim in dims)
+    return TensorSpec(name, ONNX_DTYPES[onnx_type], shape)
+
+
+def stacks(inputs: tuple[TensorSpec, ...] | list[TensorSpec]) -> bool:
+    """Instances are stacked into one run only when every input has a free leading dimension;
+    otherwise each instance is a whole input and runs alone."""
+    return bool(inputs) and all(spec.has_batch_dim for spec in inputs)
+
+
+def dense_array(name: str, value: Any, dtype: np.dtype | None = None, from_json: bool = False) -> np.ndarray:
+    """A scalar, nested list or array as an array of `dtype` (None: numpy's own guess).
+
+    A value that would change meaning on the way is refused: a fraction for an integer input, a
+    number out of the dtype's range, numbers for a string input, a list mixing strings and
+    numbers. `from_json`: strict JSON has no NaN or infinities, so a non-finite float there is a
+    number that overflowed (1e39 in float32, 1e999) and is refused too."""
+    try:
+        array = np.asarray(value)
+    except ValueError:
+        raise TensorError(f"input {name!r}: nested lists must be rectangular") from None
+    if array.dtype.kind in "UO" and not _all_strings(value, array):
+        if array.dtype.kind == "U":  # numpy turns [1, "a"] into strings
+            raise TensorError(f"input {name!r}: a list mixes strings and other values")
+        raise TensorError(f"input {name!r}: values must be all numbers, all booleans or all strings")
+    if array.dtype.kind in "UO":
+        if dtype is not None and dtype.kind != "O":
+            raise TensorError(f"input {name!r}: expects {dtype.name} numbers, got strings")
+        return array
+    if dtype is None:
+        typed = array
+    elif array.size == 0 and dtype.kind != "O":
+        typed = array.astype(dtype)  # an empty list has no values to check
+    else:
+        typed = _typed(name, array, dtype)
+    if from_json and typed.dtype.kind == "f" and not np.isfinite(typed).all():
+        raise TensorError(f"input {name!r}: values outside the range of {typed.dtype.name}")
+    return typed
+
+
+def _all_strings(value: Any, array: np.ndarray) -> bool:
+    if isinstance(value, np.ndarray) and value.dtype.kind == "U":
+        return True
+    return all(isinstance(item, str) for item in np.asarray(value, dtype=object).reshape(-1))
+
+
+def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    got = array.dtype.kind
+    if dtype.kind == "O":
+        raise TensorError(f"input {name!r}: expects strings, got {array.dtype.name} values")
+    if (got == "b") != (dtype.kind == "b"):
+        raise TensorError(f"input {name!r}: expects {dtype.name}, got {'booleans' if got == 'b' else 'numbers'}")
+    if got == "f" and dtype.kind in "iu" and (array != np.round(array)).any():
+        raise TensorError(f"input {name!r}: expects {dtype.name}, got fractional values")
+    if dtype.kind in "iu" and array.size:
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise TensorError(f"input {name!r}: values outside the range of {dtype.name}")
+    with np.errstate(over="ignore"):  # a float overflow becomes inf, which the caller refuses from JSON
+        return array.astype(dtype)
