@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from pyflink.datastream import MapFunction, RuntimeContext
 
-from conf import FlinkConfig, ModelConfig, PostprocessConfig, TestingConfig
+from conf import ModelConfig, PostprocessConfig
 from connectors.codec import Message
 from job.decode import DecodedBatch, error_result
 from job.model import OnnxModel
@@ -100,15 +100,10 @@ class InferBatch(MapFunction):
     """The Flink stage: opens one ONNX Runtime session per subtask, reports batch metrics and
     applies the configured postprocessing."""
 
-    def __init__(
-        self, model: ModelConfig, device: str, postprocess: PostprocessConfig, testing: TestingConfig, flink: FlinkConfig
-    ):
+    def __init__(self, model: ModelConfig, device: str, postprocess: PostprocessConfig):
         self.model_config = model
         self.device = device
         self.top_n = postprocess.top_n
-        self.fail_at_batch = testing.fail_inference_at_batch
-        # Survives the task's restart (PyFlink's thread mode has no attempt number), so it fails once.
-        self.failed_marker = flink.checkpoint_dir / "testing-failed-once"
 
     def open(self, runtime_context: RuntimeContext) -> None:
         config = self.model_config
@@ -118,14 +113,8 @@ class InferBatch(MapFunction):
         self.batch_sizes = group.distribution("batchSize")
         self.inference_us = group.distribution("inferenceTimeUs")
         self.inference_errors = group.counter("inferenceErrors")
-        self.batches = 0
 
     def map(self, value: DecodedBatch) -> list[Outcome]:
-        self.batches += 1
-        if self.batches == self.fail_at_batch and not self.failed_marker.exists():
-            self.failed_marker.parent.mkdir(parents=True, exist_ok=True)
-            self.failed_marker.touch()
-            raise RuntimeError(f"testing.fail_inference_at_batch: failing batch {self.batches} on purpose")
         started = time.perf_counter()
         outcomes = predict(self.model, value.instances)
         if value.instances:

@@ -14,12 +14,13 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from py4j.java_gateway import JavaObject
 from pyflink.common import Configuration, WatermarkStrategy
 from pyflink.common.job_client import JobClient
-from pyflink.datastream import StreamExecutionEnvironment
+from pyflink.datastream import MapFunction, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
 if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a plain script
@@ -98,7 +99,16 @@ def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Conf
     return conf
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> None:
+# Builds the inference stage from the config: a parameter of the job so that a test can run the
+# same pipeline with a stage of its own (tests/failing_job.py) instead of a switch in this one.
+InferStage = Callable[[ServingConfig], MapFunction]
+
+
+def infer_stage(config: ServingConfig) -> MapFunction:
+    return InferBatch(config.model, config.device, config.postprocess)
+
+
+def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig, infer: InferStage = infer_stage) -> None:
     """Wires the stages; each stage is one module of this package."""
     requests = env.from_source(
         request_source(config.kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
@@ -106,7 +116,7 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig) -> No
     batches = micro_batches(requests, config.batching).uid("micro-batch-jvm")
     frames = (
         batches.map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
-        .map(InferBatch(config.model, config.device, config.postprocess, config.testing, config.flink)).name("infer").uid("infer")
+        .map(infer(config)).name("infer").uid("infer")
         .map(EncodeResults(), output_type=FRAME).name("encode").uid("encode")
     )
     results = split_results(frames, KEYED_BYTES).name("split results").uid("split-results")
@@ -189,11 +199,11 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def run(config: ServingConfig, fresh: bool = False) -> int:
+def run(config: ServingConfig, fresh: bool = False, infer: InferStage = infer_stage) -> int:
     """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
     final savepoint) or until the job ends by itself; returns the exit code."""
     env = create_environment(config, resume_point(config, fresh))
-    build_pipeline(env, config)
+    build_pipeline(env, config, infer)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
     log.info(
@@ -230,7 +240,7 @@ def stop_with_savepoint(client: JobClient, folder: Path) -> None:
         client.cancel().result()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     parser = argparse.ArgumentParser(prog="job.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
     parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(config, args.fresh)
+    return run(config, args.fresh, infer)
 
 
 if __name__ == "__main__":

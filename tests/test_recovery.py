@@ -25,6 +25,7 @@ from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
 from connectors.admin import records_written
 from tests.conftest import collect
+from tests.failing_job import FAILURE
 
 KILL_COUNT = 10_000
 FAIL_COUNT = 2_000
@@ -147,9 +148,24 @@ def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path
     return figures
 
 
-def test_task_failure_is_recovered_by_the_restart_strategy(write_config, start_job) -> None:
-    path, config = write_config(testing={"fail_inference_at_batch": 10}, batching={"batch_size": 16, "max_delay_ms": 20})
-    job = start_job(path, config)
+class FailingJob(EmbeddedJob):
+    """The job whose inference fails once (tests/failing_job.py)."""
+
+    module = "tests.failing_job"
+
+
+def test_task_failure_is_recovered_by_the_restart_strategy(write_config, tmp_path: Path) -> None:
+    path, config = write_config(batching={"batch_size": 16, "max_delay_ms": 20})
+    job = FailingJob(path, config.flink.rest_port, log_path=tmp_path / "failing-job.log")
+    try:
+        job.start()
+        recovered(job, config)
+    finally:
+        job.stop()
+
+
+def recovered(job: FailingJob, config: ServingConfig) -> None:
+    """Every request answered once, and the one failure in the job's exception history."""
     features = np.random.default_rng(4).normal(size=(FAIL_COUNT, FEATURES)).astype(np.float32)
     assert send(config, features).result() == FAIL_COUNT
     figures = check_all_answered_once(config, features, timeout=180)
@@ -159,7 +175,7 @@ def test_task_failure_is_recovered_by_the_restart_strategy(write_config, start_j
     while not (history := job.rest(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]) and time.monotonic() < deadline:
         time.sleep(1)
     print(json.dumps(figures | {"task failures recovered": len(history)}))
-    assert len(history) == 1 and "fail_inference_at_batch" in json.dumps(history)
+    assert len(history) == 1 and FAILURE in json.dumps(history)
     assert job.rest(f"/jobs/{job.job_id}")["state"] == "RUNNING"
 
 

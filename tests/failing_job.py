@@ -1,0 +1,47 @@
+"""The serving job with an inference stage that fails once, on purpose, at its FAIL_AT_BATCH-th
+batch: the recovery test's job (`python -m tests.failing_job --config ...`).
+
+The failure is injected here, through the job's `infer` parameter, so that the production stage
+carries no test switch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conf import ModelConfig, PostprocessConfig, ServingConfig
+from job.decode import DecodedBatch
+from job.infer import InferBatch, Outcome
+from job.main import main
+
+FAIL_AT_BATCH = 10
+FAILURE = f"failing batch {FAIL_AT_BATCH} on purpose"
+
+
+class FailOnceInferBatch(InferBatch):
+    def __init__(self, model: ModelConfig, device: str, postprocess: PostprocessConfig, marker: Path):
+        super().__init__(model, device, postprocess)
+        # A file, because it must survive the task's restart (thread mode has no attempt number).
+        self.marker = marker
+        self.batches = 0
+
+    def map(self, value: DecodedBatch) -> list[Outcome]:
+        self.batches += 1
+        if self.batches == FAIL_AT_BATCH and not self.marker.exists():
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            self.marker.touch()
+            raise RuntimeError(FAILURE)
+        return super().map(value)
+
+
+def failing_stage(config: ServingConfig) -> FailOnceInferBatch:
+    marker = config.flink.checkpoint_dir / "failed-once"
+    return FailOnceInferBatch(config.model, config.device, config.postprocess, marker)
+
+
+if __name__ == "__main__":
+    # Imported by its module name, so that Flink pickles the stage by reference, not from __main__.
+    from tests.failing_job import failing_stage as stage
+
+    sys.exit(main(infer=stage))
