@@ -25,7 +25,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper, save
 
-from bench.run import ResultReader, enqueue_all, percentiles, raw_onnxruntime
+from bench.report import percentiles
+from bench.run import ResultReader, enqueue_all, raw_onnxruntime
 from ops.processes import EmbeddedJob, LocalBroker, free_port, group_rss_mb, write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES, IR_VERSION, OPSET

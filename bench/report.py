@@ -1,0 +1,114 @@
+"""The benchmark's report: latency percentiles, ratios, the machine it ran on, and the one table."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def latency_ms(values: list[float]) -> dict[str, float]:
+    """p50, p95 and p99 of latencies in milliseconds (NaN without values)."""
+    points = np.percentile(values, [50, 95, 99]) if values else [float("nan")] * 3
+    return {"p50_ms": float(points[0]), "p95_ms": float(points[1]), "p99_ms": float(points[2])}
+
+
+def percentiles(values: list[float]) -> str:
+    q = latency_ms(values)
+    return f"p50 {q['p50_ms']:.1f} ms, p95 {q['p95_ms']:.1f} ms, p99 {q['p99_ms']:.1f} ms"
+
+
+def machine(provider: str) -> dict[str, Any]:
+    """What the figures were measured on: they mean little without it."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu[1] if cpu else "unknown",
+            "provider": provider, "gpu": gpu_name() if provider == "CUDAExecutionProvider" else None}
+
+
+def gpu_name() -> str | None:
+    """The GPU's name from nvidia-smi (onnxruntime does not tell); None without it."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=False)
+    return answer.stdout.strip().splitlines()[0] if answer.returncode == 0 and answer.stdout.strip() else None
+
+
+def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+    most = str(args.http_clients[-1])
+    ceiling = raw[str(args.batch_size)]
+    return {**figures, "raw_ort": raw, "ratios": {
+        "capacity_over_raw_ort": figures["capacity"] / ceiling,
+        "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
+        f"http_{most}_clients_over_raw_ort": figures["http"][most]["rate"] / ceiling,
+    }}
+
+
+def table(report: dict[str, Any], args: argparse.Namespace) -> str:
+    """The machine and settings in one line, then one row per figure and one column per model."""
+    box = report["machine"]
+    gpu = f", {box['gpu']}" if box["gpu"] else ""
+    head = (f"machine: {box['nproc']} cores (nproc), {box['cpu']}, {box['provider']}{gpu} (device {args.device}); "
+            f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")
+    rows = [("", list(report["models"])), *table_rows(list(report["models"].values()), args)]
+    widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(report["models"]))]
+    label_width = max(len(label) for label, _ in rows)
+    lines = ["  ".join([label.ljust(label_width), *(cell.ljust(w) for cell, w in zip(cells, widths))]).rstrip()
+             for label, cells in rows]
+    return "\n".join([head, *lines])
+
+
+def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(label, one cell per model) for every figure of the report, ratios last."""
+    b, most = args.batch_size, args.http_clients[-1]
+
+    def row(label: str, cell: Callable[[dict[str, Any]], str]) -> tuple[str, list[str]]:
+        return label, [cell(m) for m in models]
+
+    def timing(t: dict[str, Any]) -> str:
+        return f"p50 {t['p50_ms']:.0f}, p95 {t['p95_ms']:.0f}, p99 {t['p99_ms']:.0f} ms"
+
+    return [
+        row("model", lambda m: m["description"]),
+        row("request tensor", lambda m: f"{m['instance_bytes']:,} B"),
+        row("raw ORT, batch 1 (req/s)", lambda m: f"{m['raw_ort']['1']:,.0f}"),
+        row(f"raw ORT, batch {b} (req/s)", lambda m: f"{m['raw_ort'][str(b)]:,.0f}"),
+        row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
+        row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
+        row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
+        row("job latency, paced (enqueue -> result)", lambda m: (
+            f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
+        *(row(f"HTTP /predict, {plural(clients, 'client')}", lambda m, key=str(clients): (
+            f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),
+        row("client InputQueue.enqueue, 1 thread", lambda m: (
+            f"{m['enqueue']['rate']:,.0f} req/s, {m['enqueue']['mb_per_s']:.1f} MB/s")),
+        row(f"ratio job / raw ORT batch {b}", lambda m: f"{m['ratios']['capacity_over_raw_ort']:#.3g}"),
+        row("ratio job / plain loop", lambda m: f"{m['ratios']['capacity_over_plain_loop']:#.3g}"),
+        row(f"ratio HTTP {plural(most, 'client')} / raw ORT batch {b}",
+            lambda m: f"{m['ratios'][f'http_{most}_clients_over_raw_ort']:#.3g}"),
+        row("missing / error results, non-200", lambda m: (
+            f"{m['missing']} / {m['errors']}, {sum(h['failures'] for h in m['http'].values())}")),
+    ]
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def json_safe(value: Any) -> Any:
+    """NaN and infinities as null: strict JSON readers refuse them."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
