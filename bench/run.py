@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from bench.models import BenchModel, bench_models
 from bench.report import json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
-from conf import ServingConfig, load_config
+from conf import ServingConfig, defaults, load_config
 from connectors.admin import ensure_topics
 from connectors.codec import decode_message
 from connectors.tensors import ONNX_DTYPES
@@ -243,7 +243,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     config = load_config(config_path)
     plain_topic = f"{config.kafka.result_topic}-plain-loop"
     ensure_topics(config.kafka)
-    ensure_topics(replace(config.kafka, result_topic=plain_topic))
+    ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
     samples = model.samples(SAMPLES)
     backlog = [f"backlog-{i}" for i in range(args.requests or model.requests)]
     warmup = [f"warmup-{i}" for i in range(len(backlog) // 10 if args.warmup is None else args.warmup)]
@@ -307,9 +307,9 @@ def client_counts(text: str) -> list[int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     models = bench_models(hidden=DEFAULT_HIDDEN)  # names and per-model defaults only: --hidden is parsed below
     parser = argparse.ArgumentParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
-    defaults = ", ".join(f"{m.name} {m.requests}" for m in models.values())
+    backlogs = ", ".join(f"{m.name} {m.requests}" for m in models.values())
     parser.add_argument("--models", default=",".join(models), help="comma-separated, from: " + ", ".join(models))
-    parser.add_argument("--requests", type=int, help=f"size of the backlog drained for capacity (default: {defaults})")
+    parser.add_argument("--requests", type=int, help=f"size of the backlog drained for capacity (default: {backlogs})")
     parser.add_argument("--warmup", type=int, help="requests before the timed backlog (default: a tenth of it; they "
                                                     "absorb the start and the JIT's first minute)")
     parser.add_argument("--latency-requests", type=int, help="requests of the paced phase (default: per model)")
@@ -318,12 +318,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")
     parser.add_argument("--http-requests-per-client", type=int,
                         help=f"requests per HTTP client (default: per model; {HTTP_MIN_REQUESTS} per phase at least)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-delay-ms", type=int, default=10)
-    parser.add_argument("--parallelism", type=int, default=1)
+    job = defaults()
+    parser.add_argument("--batch-size", type=int, default=job.batching.batch_size)
+    parser.add_argument("--max-delay-ms", type=int, default=job.batching.max_delay_ms)
+    parser.add_argument("--parallelism", type=int, default=job.flink.parallelism)
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=job.model.threads,
                         help="ONNX Runtime's intra-op threads (model.threads) for the job, the plain loop and raw ORT")
     parser.add_argument("--bootstrap", help="a running Kafka to use instead of a local broker")
     parser.add_argument("--json", type=Path, help="also write the figures to this file as JSON")

@@ -20,18 +20,16 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from conf import KAFKA_RECORD_BYTES
+from conf import KAFKA_RECORD_BYTES, defaults
 from connectors.admin import READ_COMMITTED, LagProbe
 from connectors.codec import DecodeError, decode_message
 from connectors.inputs import Result, encode_request, result_of
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
-DEFAULT_INPUT_TOPIC = "serving_stream"
-DEFAULT_RESULT_TOPIC = "serving_result"
+# The job's own defaults (conf/config.yaml), so a client with no arguments finds a default job.
+JOB_KAFKA = defaults().kafka
 DEFAULT_CLIENT_GROUP = "cluster-serving-client"
-DEFAULT_JOB_GROUP = "cluster-serving"  # the job's kafka.group_id default
 PROGRESS_EVERY_S = 1.0
 # The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
 LAG_CHECK_EVERY_S = 0.5
@@ -67,8 +65,8 @@ class InputQueue:
 
     def __init__(
         self,
-        bootstrap_servers: str = DEFAULT_BOOTSTRAP,
-        topic: str = DEFAULT_INPUT_TOPIC,
+        bootstrap_servers: str = JOB_KAFKA.bootstrap_servers,
+        topic: str = JOB_KAFKA.input_topic,
         *,
         host: str | None = None,
         port: int | None = None,
@@ -77,7 +75,7 @@ class InputQueue:
         max_lag: int | None = None,
         when_full: str = "block",
         block_timeout_s: float = 60.0,
-        job_group_id: str = DEFAULT_JOB_GROUP,
+        job_group_id: str = JOB_KAFKA.group_id,
         **kafka: Any,
     ):
         if host is not None:  # BigDL's way of naming the broker
@@ -225,8 +223,8 @@ class OutputQueue:
 
     def __init__(
         self,
-        bootstrap_servers: str = DEFAULT_BOOTSTRAP,
-        topic: str = DEFAULT_RESULT_TOPIC,
+        bootstrap_servers: str = JOB_KAFKA.bootstrap_servers,
+        topic: str = JOB_KAFKA.result_topic,
         group_id: str = DEFAULT_CLIENT_GROUP,
         **kafka: Any,
     ):

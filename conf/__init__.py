@@ -15,7 +15,7 @@ from conf.schema import (
     PostprocessConfig,
     PreprocessConfig,
     ServingConfig,
-    TestingConfig,
+    defaults,
     load_config,
 )
 
@@ -34,6 +34,6 @@ __all__ = [
     "PostprocessConfig",
     "PreprocessConfig",
     "ServingConfig",
-    "TestingConfig",
+    "defaults",
     "load_config",
 ]

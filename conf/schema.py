@@ -3,39 +3,43 @@
 Every later stage receives a `ServingConfig` and can trust it: values have the right types and
 ranges, paths are absolute. A bad value stops start-up with one `ConfigError` line that names the
 key, instead of a Java stack trace minutes later.
+
+pydantic checks the values the models below declare. The module is longer than the models alone
+would be because of two things pydantic does not do: overlaying YAML files, and wording its first
+error the way the README and users' scripts quote it (both bounds of a range, the choices bare).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
+from annotated_types import Ge, Le
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt,
+    StringConstraints, ValidationError, ValidationInfo, field_validator, model_validator,
+)
+from pydantic.fields import FieldInfo
 
 DEFAULT_CONFIG_PATH = Path(__file__).with_name("config.yaml")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BUILD_JARS = PROJECT_ROOT / "build" / "jars"
 # Flink's Kafka connector with kafka-clients inside (shaded), from Maven Central (scripts/setup.sh).
+CONNECTOR_JARS = ("flink-sql-connector-kafka.jar",)
+HELPER_JAR = "cluster-serving-flink.jar"
 # The largest Kafka record the project writes or accepts, one figure for every party: the local
 # broker (message.max.bytes), the topics the job creates (max.message.bytes, which also holds on a
 # broker whose own default is Kafka's 1 MiB), the clients' and the bridge's producers and the job's
 # sink (max.request.size). limits.max_instance_bytes may be larger: it also bounds the dense size
 # of sparse tensors, which travel smaller than that.
 KAFKA_RECORD_BYTES = 20 * 1024 * 1024
-CONNECTOR_JARS = ("flink-sql-connector-kafka.jar",)
-HELPER_JAR = "cluster-serving-flink.jar"
-DEVICES = ("auto", "cpu", "cuda")
-DELIVERIES = ("at_least_once", "exactly_once")
-IMAGE_CHANNELS = ("RGB", "BGR", "L")
-IMAGE_LAYOUTS = ("HWC", "CHW")
-IMAGE_DTYPES = ("uint8", "float16", "float32", "float64")
 # The Flink job's name: the HTTP bridge and the CLI find the running job by it.
 JOB_NAME = "cluster-serving"
-
-
-# Mappings whose keys are the user's (property names, input names), not known in advance.
+# Mappings whose keys are the user's (property names, input names): a file replaces them whole.
 FREE_MAPPINGS = ("properties", "images")
 
 
@@ -43,25 +47,65 @@ class ConfigError(ValueError):
     """A configuration problem, worded for the person who wrote the file."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str
-    path: Path
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
-    threads: int = 1
+def _config_folder(info: ValidationInfo) -> Path:
+    source = (info.context or {}).get("source")
+    return source.parent if source else Path.cwd()
 
 
-@dataclass(frozen=True)
-class KafkaConfig:
-    bootstrap_servers: str
-    input_topic: str
-    result_topic: str
-    group_id: str
-    partitions: int
-    delivery: str = "at_least_once"
-    transaction_timeout_ms: int = 600000
-    properties: dict[str, str] = field(default_factory=dict)
+def _absolute(value: Any, info: ValidationInfo) -> Path:
+    """Relative paths are relative to the config file's folder, not to wherever `start` ran."""
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be a non-empty string, got {value!r}")
+    path = Path(value.strip()).expanduser()
+    return path if path.is_absolute() else (_config_folder(info) / path).resolve()
+
+
+def _none_is(empty: Any) -> BeforeValidator:
+    """YAML reads an empty `key:` as None; for these keys that means none."""
+    return BeforeValidator(lambda value: empty if value is None else value)
+
+
+def _as_text(value: Any) -> Any:
+    """Kafka takes every property as text; YAML makes numbers and booleans of some."""
+    return {str(key): str(item) for key, item in value.items()} if isinstance(value, dict) else value
+
+
+def _connectors_if_empty(jars: Any) -> Any:
+    """No jars listed: the connector scripts/setup.sh fetched."""
+    return [BUILD_JARS / jar for jar in CONNECTOR_JARS] if jars in (None, []) else jars
+
+
+Text = Annotated[str, StringConstraints(strict=True, strip_whitespace=True, min_length=1)]
+Texts = Annotated[tuple[Text, ...], _none_is(())]
+File = Annotated[Path, BeforeValidator(_absolute)]
+Numbers = Annotated[tuple[StrictFloat, ...], _none_is(())]
+Dimension = Annotated[StrictInt, Field(ge=1, le=65536)]
+
+
+class _Section(BaseModel):
+    # Frozen: every stage shares the sections, some as cache keys. A key a model lacks is a typo.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    name: Text
+    path: File
+    inputs: Texts = ()
+    outputs: Texts = ()
+    threads: StrictInt = Field(1, ge=0)
+
+
+class KafkaConfig(_Section):
+    bootstrap_servers: Text
+    input_topic: Text
+    result_topic: Text
+    group_id: Text
+    partitions: StrictInt = Field(ge=1)
+    delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    transaction_timeout_ms: StrictInt = Field(600000, ge=1000)
+    properties: Annotated[dict[str, str], BeforeValidator(_as_text), _none_is({})] = {}
 
     @property
     def exactly_once(self) -> bool:
@@ -73,21 +117,19 @@ class KafkaConfig:
         return f"{self.group_id}-results"
 
 
-@dataclass(frozen=True)
-class BatchingConfig:
-    batch_size: int
-    max_delay_ms: int
+class BatchingConfig(_Section):
+    batch_size: StrictInt = Field(ge=1, le=65536)
+    max_delay_ms: StrictInt = Field(ge=0, le=60_000)
 
 
-@dataclass(frozen=True)
-class FlinkConfig:
-    parallelism: int
-    rest_port: int
-    checkpoint_interval_ms: int
-    checkpoint_dir: Path
-    restart_attempts: int
-    restart_delay_ms: int
-    jars: tuple[Path, ...]
+class FlinkConfig(_Section):
+    parallelism: StrictInt = Field(ge=1, le=1024)
+    rest_port: StrictInt = Field(ge=0, le=65535)
+    checkpoint_interval_ms: StrictInt = Field(ge=100)
+    checkpoint_dir: File
+    restart_attempts: StrictInt = Field(ge=0)
+    restart_delay_ms: StrictInt = Field(ge=0)
+    jars: Annotated[tuple[File, ...], BeforeValidator(_connectors_if_empty)]
 
     @property
     def pipeline_jars(self) -> list[Path]:
@@ -95,66 +137,119 @@ class FlinkConfig:
         return [*self.jars, BUILD_JARS / HELPER_JAR]
 
 
-@dataclass(frozen=True)
-class LimitsConfig:
-    max_instance_bytes: int
-    max_image_pixels: int
+class LimitsConfig(_Section):
+    max_instance_bytes: StrictInt = Field(ge=1024)
+    max_image_pixels: StrictInt = Field(ge=1)
 
 
-@dataclass(frozen=True)
-class ImageConfig:
+class ImageConfig(_Section):
     """How one image input is decoded, resized, laid out and normalised."""
 
-    channels: str = "RGB"
-    resize: tuple[int, int] | None = None  # (height, width)
-    layout: str = "HWC"
-    dtype: str = "uint8"
-    scale: float = 1.0
-    mean: tuple[float, ...] = ()
-    std: tuple[float, ...] = ()
+    channels: Literal["RGB", "BGR", "L"] = "RGB"
+    resize: tuple[Dimension, ...] | None = Field(None, min_length=2, max_length=2, description="[height, width]")
+    layout: Literal["HWC", "CHW"] = "HWC"
+    dtype: Literal["uint8", "float16", "float32", "float64"] = "uint8"
+    scale: StrictFloat = Field(1.0, ge=0)
+    mean: Numbers = ()
+    std: Numbers = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _float_pixels_in_0_1(cls, data: Any) -> Any:
+        """An empty entry takes every default; a float dtype's default scale maps 255 to 1."""
+        data = {} if data is None else data
+        if isinstance(data, dict) and "scale" not in data:
+            return {**data, "scale": 1.0 if data.get("dtype", "uint8") == "uint8" else 1 / 255}
+        return data
+
+    @field_validator("mean", "std", mode="before")
+    @classmethod
+    def _one_per_channel(cls, value: Any, info: ValidationInfo) -> Any:
+        depth = 1 if info.data.get("channels") == "L" else 3
+        if value not in (None, [], ()) and (not isinstance(value, (list, tuple)) or len(value) != depth):
+            raise ValueError(f"must be a list of {depth} numbers (one per channel), got {value!r}")
+        return value
+
+    @field_validator("std")
+    @classmethod
+    def _divisible(cls, std: tuple[float, ...]) -> tuple[float, ...]:
+        if 0 in std:
+            raise ValueError("must not contain 0")
+        return std
+
+    @model_validator(mode="after")
+    def _normalised_only_as_floats(self) -> ImageConfig:
+        if self.dtype == "uint8" and (self.scale != 1.0 or self.mean or self.std):
+            raise ValueError("scale, mean and std need a float dtype")
+        return self
 
 
-@dataclass(frozen=True)
-class PreprocessConfig:
-    images: dict[str, ImageConfig] = field(default_factory=dict)
+class PreprocessConfig(_Section):
+    images: Annotated[dict[Text, ImageConfig], _none_is({})] = Field({}, description="a mapping of input name -> settings")
 
 
-@dataclass(frozen=True)
-class PostprocessConfig:
-    top_n: int = 0
+class PostprocessConfig(_Section):
+    top_n: StrictInt = Field(0, ge=0, le=65536)
 
 
-@dataclass(frozen=True)
-class TestingConfig:
-    fail_inference_at_batch: int = 0
+class HttpConfig(_Section):
+    host: Text
+    port: StrictInt = Field(ge=0, le=65535)
+    request_timeout_s: StrictFloat = Field(ge=0.001)
+    max_body_bytes: StrictInt = Field(ge=1024)
+    max_instances: StrictInt = Field(ge=1)
+    rate_limit_per_s: StrictFloat = Field(ge=0)
+    rate_limit_burst: StrictInt = Field(ge=0)
+    token_env: Annotated[
+        str, BeforeValidator(lambda value: value or ""), StringConstraints(strict=True, strip_whitespace=True)
+    ] = Field(description="the name of an environment variable")
+    flink_rest_url: Annotated[Text, AfterValidator(lambda url: url.rstrip("/"))]
+
+    @field_validator("rate_limit_burst")
+    @classmethod
+    def _burst_for_rate(cls, burst: int, info: ValidationInfo) -> int:
+        if info.data.get("rate_limit_per_s") and not burst:
+            raise ValueError("must be >= 1 when http.rate_limit_per_s is set")
+        return burst
 
 
-@dataclass(frozen=True)
-class HttpConfig:
-    host: str
-    port: int
-    request_timeout_s: float
-    max_body_bytes: int
-    max_instances: int
-    rate_limit_per_s: float
-    rate_limit_burst: int
-    token_env: str
-    flink_rest_url: str
-
-
-@dataclass(frozen=True)
-class ServingConfig:
+class ServingConfig(_Section):
     model: ModelConfig
     kafka: KafkaConfig
     batching: BatchingConfig
     flink: FlinkConfig
-    device: str
+    device: Literal["auto", "cpu", "cuda"]
     limits: LimitsConfig
     http: HttpConfig
     preprocess: PreprocessConfig = PreprocessConfig()
     postprocess: PostprocessConfig = PostprocessConfig()
-    testing: TestingConfig = TestingConfig()
-    source: Path | None = None
+    # Not a key of the file: where it was read from (None: the defaults alone).
+    _source: Path | None = PrivateAttr(None)
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._source = (context or {}).get("source")
+
+    @field_validator("flink", mode="before")
+    @classmethod
+    def _checkpoints_per_group(cls, flink: Any, info: ValidationInfo) -> Any:
+        """Empty checkpoint_dir: checkpoints/<kafka.group_id> next to the config, one per deployment."""
+        kafka = info.data.get("kafka")
+        if isinstance(flink, dict) and not flink.get("checkpoint_dir") and kafka:
+            return {**flink, "checkpoint_dir": str(_config_folder(info) / "checkpoints" / kafka.group_id)}
+        return flink
+
+    @field_validator("http", mode="before")
+    @classmethod
+    def _embedded_flink_rest(cls, http: Any, info: ValidationInfo) -> Any:
+        """Empty flink_rest_url: the embedded cluster's, on flink.rest_port."""
+        flink = info.data.get("flink")
+        if isinstance(http, dict) and not http.get("flink_rest_url") and flink:
+            return {**http, "flink_rest_url": f"http://127.0.0.1:{flink.rest_port}"}
+        return http
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
 
     @property
     def folder(self) -> Path:
@@ -181,14 +276,22 @@ class ServingConfig:
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServingConfig:
     """Defaults, then the file at `path`, then `overrides` (dotted keys such as 'kafka.input_topic')."""
     raw = _read_yaml(DEFAULT_CONFIG_PATH)
-    base_dir = Path.cwd()
     if path is not None:
         path = Path(path).resolve()
-        _merge(raw, _read_yaml(path), prefix="")
-        base_dir = path.parent
+        _merge(raw, _read_yaml(path))
     for dotted, value in (overrides or {}).items():
-        _merge(raw, _nest(dotted, value), prefix="")
-    return _build(raw, base_dir, path)
+        *parents, leaf = dotted.split(".")
+        nested: dict[str, Any] = {leaf: value}
+        for parent in reversed(parents):
+            nested = {parent: nested}
+        _merge(raw, nested)
+    return _validate(raw, path)
+
+
+@cache
+def defaults() -> ServingConfig:
+    """conf/config.yaml alone, its paths relative to conf/: for modules that would repeat its values."""
+    return _validate(_read_yaml(DEFAULT_CONFIG_PATH), DEFAULT_CONFIG_PATH)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -205,201 +308,79 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _nest(dotted: str, value: Any) -> dict[str, Any]:
-    *parents, leaf = dotted.split(".")
-    nested: dict[str, Any] = {leaf: value}
-    for parent in reversed(parents):
-        nested = {parent: nested}
-    return nested
-
-
-def _merge(into: dict[str, Any], update: dict[str, Any], prefix: str) -> None:
-    """Overlays `update` on the defaults; unknown keys are refused so typos do not pass silently."""
+def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    """Overlays `update` key by key; unknown keys stay, for the models to refuse by name."""
     for key, value in update.items():
-        name = f"{prefix}{key}"
-        if key not in into:
-            raise ConfigError(f"{name}: unknown key (known: {', '.join(sorted(into))})")
-        if isinstance(into[key], dict) and key not in FREE_MAPPINGS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{name}: must be a mapping")
-            _merge(into[key], value, prefix=f"{name}.")
+        if isinstance(into.get(key), dict) and isinstance(value, dict) and key not in FREE_MAPPINGS:
+            _merge(into[key], value)
         else:
             into[key] = value
 
 
-def _build(raw: dict[str, Any], base_dir: Path, source: Path | None) -> ServingConfig:
-    model, kafka, batching, flink = raw["model"], raw["kafka"], raw["batching"], raw["flink"]
-    jars = _string_list(flink["jars"], "flink.jars") or [str(BUILD_JARS / jar) for jar in CONNECTOR_JARS]
-    device = raw["device"]
-    if device not in DEVICES:
-        raise ConfigError(f"device: must be one of {', '.join(DEVICES)}, got {device!r}")
-    return ServingConfig(
-        model=ModelConfig(
-            name=_text(model["name"], "model.name"),
-            path=_path(model["path"], "model.path", base_dir),
-            inputs=tuple(_string_list(model["inputs"], "model.inputs")),
-            outputs=tuple(_string_list(model["outputs"], "model.outputs")),
-            threads=_int(model["threads"], "model.threads", low=0),
-        ),
-        kafka=KafkaConfig(
-            bootstrap_servers=_text(kafka["bootstrap_servers"], "kafka.bootstrap_servers"),
-            input_topic=_text(kafka["input_topic"], "kafka.input_topic"),
-            result_topic=_text(kafka["result_topic"], "kafka.result_topic"),
-            group_id=_text(kafka["group_id"], "kafka.group_id"),
-            partitions=_int(kafka["partitions"], "kafka.partitions", low=1),
-            delivery=_choice(kafka["delivery"], "kafka.delivery", DELIVERIES),
-            transaction_timeout_ms=_int(
-                kafka["transaction_timeout_ms"], "kafka.transaction_timeout_ms", low=1000
-            ),
-            properties=_properties(kafka["properties"]),
-        ),
-        batching=BatchingConfig(
-            batch_size=_int(batching["batch_size"], "batching.batch_size", low=1, high=65536),
-            max_delay_ms=_int(batching["max_delay_ms"], "batching.max_delay_ms", low=0, high=60_000),
-        ),
-        flink=FlinkConfig(
-            parallelism=_int(flink["parallelism"], "flink.parallelism", low=1, high=1024),
-            rest_port=_int(flink["rest_port"], "flink.rest_port", low=0, high=65535),
-            checkpoint_interval_ms=_int(
-                flink["checkpoint_interval_ms"], "flink.checkpoint_interval_ms", low=100
-            ),
-            checkpoint_dir=_path(flink["checkpoint_dir"], "flink.checkpoint_dir", base_dir)
-            if flink["checkpoint_dir"]
-            else base_dir / "checkpoints" / _text(kafka["group_id"], "kafka.group_id"),
-            restart_attempts=_int(flink["restart_attempts"], "flink.restart_attempts", low=0),
-            restart_delay_ms=_int(flink["restart_delay_ms"], "flink.restart_delay_ms", low=0),
-            jars=tuple(_path(jar, "flink.jars", base_dir) for jar in jars),
-        ),
-        device=device,
-        limits=LimitsConfig(
-            max_instance_bytes=_int(
-                raw["limits"]["max_instance_bytes"], "limits.max_instance_bytes", low=1024
-            ),
-            max_image_pixels=_int(raw["limits"]["max_image_pixels"], "limits.max_image_pixels", low=1),
-        ),
-        http=_http(raw["http"], flink["rest_port"]),
-        preprocess=PreprocessConfig(images=_images(raw["preprocess"]["images"])),
-        postprocess=PostprocessConfig(
-            top_n=_int(raw["postprocess"]["top_n"], "postprocess.top_n", low=0, high=65536)
-        ),
-        testing=TestingConfig(
-            fail_inference_at_batch=_int(
-                raw["testing"]["fail_inference_at_batch"], "testing.fail_inference_at_batch", low=0
-            )
-        ),
-        source=source,
-    )
+def _validate(raw: dict[str, Any], source: Path | None) -> ServingConfig:
+    try:
+        return ServingConfig.model_validate(raw, context={"source": source})
+    except ValidationError as exc:
+        raise _one_line(exc) from None
 
 
-def _images(value: Any) -> dict[str, ImageConfig]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"preprocess.images: must be a mapping of input name -> settings, got {value!r}")
-    return {_text(name, "preprocess.images"): _image(f"preprocess.images.{name}", item or {}) for name, item in value.items()}
+# What a value must be, by pydantic's error type, where the field's description does not say.
+MUST_BE = {
+    "int_type": "an integer", "float_type": "a number", "string_type": "a non-empty string",
+    "string_too_short": "a non-empty string", "tuple_type": "a list of strings", "dict_type": "a mapping",
+    "model_type": "a mapping",
+}
 
 
-def _image(name: str, value: Any) -> ImageConfig:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name}: must be a mapping, got {value!r}")
-    known = ImageConfig.__dataclass_fields__
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(known)})")
-    channels = _choice(value.get("channels", "RGB"), f"{name}.channels", IMAGE_CHANNELS)
-    dtype = _choice(value.get("dtype", "uint8"), f"{name}.dtype", IMAGE_DTYPES)
-    resize = value.get("resize")
-    if resize is not None:
-        if not isinstance(resize, list) or len(resize) != 2:
-            raise ConfigError(f"{name}.resize: must be [height, width], got {resize!r}")
-        resize = tuple(_int(dim, f"{name}.resize", low=1, high=65536) for dim in resize)
-    default_scale = 1.0 if dtype == "uint8" else 1 / 255
-    scale = _number(value.get("scale", default_scale), f"{name}.scale", low=0)
-    if dtype == "uint8" and (scale != 1.0 or "mean" in value or "std" in value):
-        raise ConfigError(f"{name}: scale, mean and std need a float dtype")
-    depth = 1 if channels == "L" else 3
-    mean = _per_channel(value.get("mean"), f"{name}.mean", depth)
-    std = _per_channel(value.get("std"), f"{name}.std", depth)
-    if any(item == 0 for item in std):
-        raise ConfigError(f"{name}.std: must not contain 0")
-    layout = _choice(value.get("layout", "HWC"), f"{name}.layout", IMAGE_LAYOUTS)
-    return ImageConfig(channels, resize, layout, dtype, scale, mean, std)
+def _one_line(exc: ValidationError) -> ConfigError:
+    """pydantic's first error (a typo before any value) as `dotted.key: problem`.
+
+    pydantic names one bound of a range and quotes the choices; the README and users' scripts
+    match on both bounds and the bare choices, so those come from the declaration. A list index
+    is no part of the key (model.inputs, not model.inputs.0)."""
+    error = min(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")
+    kind, loc, value = error["type"], error["loc"], error.get("input")
+    if kind == "extra_forbidden":
+        known = ", ".join(sorted(_declared(loc[:-1]).model_fields))
+        return ConfigError(f"{'.'.join(map(str, loc))}: unknown key (known: {known})")
+    whole = isinstance(loc[-1], str) and loc[-1] != "[key]"  # not one of its items or keys
+    if loc[-1] == "[key]":  # the user's key itself is wrong: name the mapping
+        loc = loc[:-2]
+    keys = [part for part in loc if isinstance(part, str)]
+    field = _declared(keys)
+    declared = list(_declarations(field))
+    if kind == "value_error":
+        problem = str(error["ctx"]["error"])
+    elif kind in ("greater_than_equal", "less_than_equal"):
+        low = next(item.ge for item in declared if isinstance(item, Ge))
+        high = next((item.le for item in declared if isinstance(item, Le)), None)
+        problem = f"must be {f'>= {low}' if high is None else f'between {low} and {high}'}, got {value}"
+    elif kind == "literal_error":
+        choices = next(get_args(item) for item in declared if get_origin(item) is Literal)
+        problem = f"must be one of {', '.join(choices)}, got {value!r}"
+    elif wanted := (whole and isinstance(field, FieldInfo) and field.description) or MUST_BE.get(kind):
+        problem = f"must be {wanted}, got {value!r}"
+    else:
+        problem = error["msg"]
+    return ConfigError(f"{'.'.join(keys)}: {problem}")
 
 
-def _choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {value!r}")
-    return value
+def _declared(keys: Sequence[Any]) -> Any:
+    """The model class or the field (FieldInfo) that a key path names; under preprocess.images,
+    a key is the user's input name and leads to an ImageConfig."""
+    node: Any = ServingConfig
+    for key in keys:
+        node = get_args(node.annotation)[-1] if isinstance(node, FieldInfo) else node.model_fields[key]
+        if isinstance(node, FieldInfo) and isinstance(node.annotation, type) and issubclass(node.annotation, BaseModel):
+            node = node.annotation
+    return node
 
 
-def _per_channel(value: Any, name: str, depth: int) -> tuple[float, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) != depth:
-        raise ConfigError(f"{name}: must be a list of {depth} numbers (one per channel), got {value!r}")
-    return tuple(_number(item, name, low=float("-inf")) for item in value)
-
-
-def _http(http: dict[str, Any], flink_rest_port: int) -> HttpConfig:
-    rate = _number(http["rate_limit_per_s"], "http.rate_limit_per_s", low=0)
-    burst = _int(http["rate_limit_burst"], "http.rate_limit_burst", low=0)
-    if rate and not burst:
-        raise ConfigError("http.rate_limit_burst: must be >= 1 when http.rate_limit_per_s is set")
-    token_env = http["token_env"] or ""
-    if not isinstance(token_env, str):
-        raise ConfigError(f"http.token_env: must be the name of an environment variable, got {token_env!r}")
-    return HttpConfig(
-        host=_text(http["host"], "http.host"),
-        port=_int(http["port"], "http.port", low=0, high=65535),
-        request_timeout_s=_number(http["request_timeout_s"], "http.request_timeout_s", low=0.001),
-        max_body_bytes=_int(http["max_body_bytes"], "http.max_body_bytes", low=1024),
-        max_instances=_int(http["max_instances"], "http.max_instances", low=1),
-        rate_limit_per_s=rate,
-        rate_limit_burst=burst,
-        token_env=token_env.strip(),
-        flink_rest_url=(http["flink_rest_url"] or f"http://127.0.0.1:{flink_rest_port}").rstrip("/"),
-    )
-
-
-def _number(value: Any, name: str, low: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}: must be a number, got {value!r}")
-    if value < low:
-        raise ConfigError(f"{name}: must be >= {low}, got {value}")
-    return float(value)
-
-
-def _int(value: Any, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise ConfigError(f"{name}: must be {bound}, got {value}")
-    return value
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{name}: must be a non-empty string, got {value!r}")
-    return value.strip()
-
-
-def _string_list(value: Any, name: str) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ConfigError(f"{name}: must be a list of strings, got {value!r}")
-    return [_text(item, name) for item in value]
-
-
-def _path(value: Any, name: str, base_dir: Path) -> Path:
-    path = Path(_text(value, name)).expanduser()
-    return path if path.is_absolute() else (base_dir / path).resolve()
-
-
-def _properties(value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"kafka.properties: must be a mapping, got {value!r}")
-    return {str(key): str(item) for key, item in value.items()}
+def _declarations(node: Any) -> Iterator[Any]:
+    """A field's types and constraints, its items' included (a resize dimension's bounds)."""
+    if isinstance(node, FieldInfo):
+        yield from node.metadata
+        node = node.annotation
+    yield node
+    for arg in get_args(node):
+        yield from _declarations(arg)
