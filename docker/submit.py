@@ -12,21 +12,19 @@ broker reachable, topics) run inside `flink run`, and its exit code is this scri
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from conf import JOB_NAME, ServingConfig, load_config
+from connectors.flink_rest import TERMINAL_STATES, FlinkRest, FlinkRestError
 from ops.sample_model import build_sample_model
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("config.yaml")
-TERMINAL_STATES = ("FINISHED", "FAILED", "CANCELED")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,28 +34,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def rest_get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
-
-
-def wait_for_taskmanager(rest_url: str, timeout_s: float) -> None:
+def wait_for_taskmanager(rest: FlinkRest, timeout_s: float) -> None:
     """Returns once the cluster has a TaskManager; the REST API may not answer yet at first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if rest_get(f"{rest_url}/overview").get("taskmanagers", 0) >= 1:
+            if rest.taskmanagers() >= 1:
                 return
-        except (OSError, ValueError):
+        except FlinkRestError:
             pass
         time.sleep(2)
-    raise SystemExit(f"error: no TaskManager registered at {rest_url} within {timeout_s:.0f} s")
+    raise SystemExit(f"error: no TaskManager registered at {rest.url} within {timeout_s:.0f} s")
 
 
-def serving_job_running(rest_url: str) -> bool:
+def serving_job_running(rest: FlinkRest) -> bool:
     """True when a cluster-serving job is on the cluster in any state but a final one."""
-    jobs = rest_get(f"{rest_url}/jobs/overview").get("jobs", [])
-    return any(job.get("name") == JOB_NAME and job.get("state") not in TERMINAL_STATES for job in jobs)
+    return any(job.get("name") == JOB_NAME and job.get("state") not in TERMINAL_STATES for job in rest.jobs())
 
 
 def ensure_model(config: ServingConfig) -> None:
@@ -83,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(config_path)
     rest_url = config.http.flink_rest_url
     ensure_model(config)
-    wait_for_taskmanager(rest_url, args.timeout)
-    if serving_job_running(rest_url):
+    rest = FlinkRest(rest_url)
+    wait_for_taskmanager(rest, args.timeout)
+    if serving_job_running(rest):
         print(f"a {JOB_NAME!r} job already runs on {rest_url}: not submitting another")
         return 0
     command = flink_run_command(config_path, rest_url)

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
 
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
-from job.kafka import KEYED_BYTES, request_source, result_sink  # noqa: E402
+from job.kafka_io import KEYED_BYTES, request_source, result_sink  # noqa: E402
 from job.batch import FRAME, micro_batches, split_results  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402

@@ -16,7 +16,8 @@ from PIL.JpegImagePlugin import JpegImageFile
 from PIL.PngImagePlugin import PngImageFile
 
 from conf import ImageConfig, LimitsConfig
-from connectors.codec import EncodedImage, SparseTensor, Value
+from connectors.codec import Value
+from connectors.wire.kinds import kind_of
 from job.model import InvalidInput
 
 DEFAULT_IMAGE = ImageConfig()
@@ -29,16 +30,13 @@ HEADER_READERS = ((b"\xff\xd8\xff", JpegImageFile), (b"\x89PNG\r\n\x1a\n", PngIm
 def prepare_values(
     values: dict[str, Value], images: dict[str, ImageConfig], limits: LimitsConfig
 ) -> dict[str, np.ndarray]:
-    """Every value as an ndarray; raises InvalidInput for an image or sparse tensor that cannot be."""
-    return {name: _prepare(name, value, images, limits) for name, value in values.items()}
+    """Every value as an ndarray, as its kind makes it; raises InvalidInput for an image or sparse
+    tensor that cannot be."""
 
+    def decode(name: str, data: bytes) -> np.ndarray:
+        return decode_image(name, data, images.get(name, DEFAULT_IMAGE), limits.max_image_pixels)
 
-def _prepare(name: str, value: Value, images: dict[str, ImageConfig], limits: LimitsConfig) -> np.ndarray:
-    if isinstance(value, EncodedImage):
-        return decode_image(name, value.data, images.get(name, DEFAULT_IMAGE), limits.max_image_pixels)
-    if isinstance(value, SparseTensor):
-        return value.to_dense()  # the codec checked its bounds and dense size
-    return value
+    return {name: kind_of(value).to_array(name, value, decode) for name, value in values.items()}
 
 
 def configure_pillow(max_pixels: int) -> None:

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ops.operations import StartRecord, status_lines, stop_started
-from ops.processes import EmbeddedJob, HttpBridge, LocalBroker
+from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
 from ops.sample_model import FEATURES, build_sample_model
@@ -91,32 +90,31 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    """The job and the bridge as two child processes; when one ends, the other is stopped too."""
+    """The job and the bridge as two child processes, their output on this terminal; when one
+    ends, or on Ctrl-C / SIGTERM, both are stopped (the job with a final savepoint)."""
     config = load_config(args.config)
     if StartRecord.read(config):
         raise ConfigError(f"already started for this config (see cluster-serving status -c {args.config or ''})")
+    # The children run in sessions of their own, which a closed terminal does not hang up: they
+    # stop through this process.
+    stop_on(signal.SIGHUP)
     broker = start_local_broker(config) if args.local_broker else None
-    config_args = ["--config", args.config] if args.config else []
-    job_args = ["--fresh"] if args.fresh else []
-    commands = [["job.main", *config_args, *job_args]] + ([] if args.no_http else [["bridge.server", *config_args]])
-    children = [subprocess.Popen([sys.executable, "-m", *command]) for command in commands]
-    StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
-    print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
-          f"cluster-serving status / stop{' -c ' + args.config if args.config else ''}")
+    job = EmbeddedJob(args.config, config.flink.rest_port, fresh=args.fresh, inherit_output=True)
+    children: list[ChildProcess] = [job]
+    if not args.no_http:
+        children.append(HttpBridge(args.config, inherit_output=True))
+
+    def started() -> None:
+        StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
+        print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
+              f"cluster-serving status / stop{' -c ' + args.config if args.config else ''}", flush=True)
+
     try:
-        while all(child.poll() is None for child in children):
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass  # Ctrl-C reached the children too, but a SIGTERM sent to this process alone did not
+        return supervise(children, started)
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGINT)  # both only set a stop flag: a second one is harmless
-        codes = [child.wait() for child in children]
         if broker:
             broker.stop()
         StartRecord.path_for(config).unlink(missing_ok=True)
-    return max(codes)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -261,13 +259,15 @@ def parser() -> argparse.ArgumentParser:
     return root
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM (a supervisor, `timeout`, `kill`) unwinds like Ctrl-C, so what we started stops too."""
+def stop_on(*signums: signal.Signals) -> None:
+    """These signals (SIGTERM: a supervisor, `timeout`, `kill`) unwind like Ctrl-C, so what we
+    started stops too."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, handler)
+    for signum in signums:
+        signal.signal(signum, handler)
 
 
 def run_external(module: str, argv: list[str]) -> None:
@@ -279,7 +279,7 @@ def run_external(module: str, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_on_sigterm()
+    stop_on(signal.SIGTERM)
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["bench"]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from conf import JOB_NAME, ServingConfig
 from connectors.admin import broker_reachable, client_properties, consumer_lag, records_written
+from connectors.flink_rest import FlinkRest
+from ops.processes import pid_alive
 
 STATE_FILE = ".cluster-serving.json"
 RATE_SAMPLE_S = 1.0
@@ -48,15 +50,6 @@ class StartRecord:
         return record
 
 
-def pid_alive(pid: int) -> bool:
-    """True while the process runs; an exited one its parent has not reaped yet (a zombie) is not."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def stop_started(record: StartRecord, timeout_s: float) -> bool:
     """SIGTERM to the `start` process (which stops the job with a final savepoint and the bridge);
     True once it has exited."""
@@ -67,20 +60,6 @@ def stop_started(record: StartRecord, timeout_s: float) -> bool:
             return True
         time.sleep(0.2)
     return False
-
-
-def flink_job(rest_url: str, timeout_s: float = 3.0) -> dict | str:
-    """The running (else the newest) job named cluster-serving on the Flink REST API, or why
-    there is none."""
-    try:
-        with urllib.request.urlopen(f"{rest_url}/jobs/overview", timeout=timeout_s) as response:
-            jobs = [job for job in json.load(response)["jobs"] if job.get("name") == JOB_NAME]
-    except (OSError, ValueError, KeyError) as exc:
-        return f"Flink REST API not reachable at {rest_url} ({exc})"
-    if not jobs:
-        return f"no {JOB_NAME!r} job on {rest_url}"
-    running = [job for job in jobs if job["state"] == "RUNNING"]
-    return max(running or jobs, key=lambda job: job["start-time"])
 
 
 def bridge_state(config: ServingConfig) -> str:
@@ -120,7 +99,7 @@ def status_lines(config: ServingConfig) -> tuple[list[str], bool]:
     record = StartRecord.read(config)
     lines = [f"started here: pid {record.pid}, {time.ctime(record.started_at)}" if record
              else "started here: no (no running `cluster-serving start` for this config)"]
-    job = flink_job(config.http.flink_rest_url)
+    job = FlinkRest(config.http.flink_rest_url, timeout_s=3.0).find_job(JOB_NAME)
     running = isinstance(job, dict) and job["state"] == "RUNNING"
     if isinstance(job, dict):
         lines.append(f"job: {job['state']} ({job['jid']}, up {job['duration'] // 1000} s)")

@@ -3,11 +3,14 @@ and the HTTP bridge.
 
 Each runs in its own process group, so stopping it also stops what it started (the embedded
 job's JVM), and a test that fails still leaves nothing behind.
+
+What is asked about processes (alive, group members, memory, command lines) is asked here, of
+psutil, rather than by parsing /proc in each place that needs it.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import random
 import re
@@ -17,49 +20,75 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import psutil
 import yaml
 
 from bridge.server import READY_LINE
+from connectors.flink_rest import FlinkRest
 from connectors.local_broker import READY_PREFIX
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def pid_alive(pid: int) -> bool:
+    """True while the process runs. An exited one that its parent has not reaped yet (a zombie)
+    is not: the processes asked about (a `cluster-serving start`, Flink's daemons) are not our
+    children, so we cannot reap them, and their parent may do so late."""
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
+
+
 def process_group_members(pgid: int) -> set[int]:
     """The pids of a process group, e.g. a child started here and the JVM it started."""
     members = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in psutil.pids():
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if os.getpgid(pid) == pgid:
+                members.add(pid)
+        except OSError:  # gone since it was listed
             continue
-        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
-            members.add(int(stat.parent.name))
     return members
 
 
 def group_rss_mb(pgid: int) -> float:
     """Resident memory of every process in the group (the job's Python and its Flink JVM)."""
-    total_kb = 0
+    total = 0
     for pid in process_group_members(pgid):
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
             continue
-        total_kb += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return total_kb / 1024
+    return total / 2**20
+
+
+def pids_naming(directory: Path) -> list[int]:
+    """Live processes other than this one with `directory`, or a path inside it, on their command
+    line: this finds a daemon that a script started (not our child) even when its pid file was
+    never written or already removed."""
+    inside = f"{directory}/"
+    pids = []
+    for process in psutil.process_iter(["cmdline"]):
+        args = process.info["cmdline"] or []
+        if (process.pid != os.getpid() and any(arg == str(directory) or inside in arg for arg in args)
+                and pid_alive(process.pid)):
+            pids.append(process.pid)
+    return pids
 
 
 _PORTS_HANDED_OUT: set[int] = set()
 
 
+@functools.cache
 def _ephemeral_ports_start() -> int:
+    """The kernel's ephemeral range, which psutil does not report: /proc it is, read once."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -113,33 +142,47 @@ def write_run_config(folder: Path, model_path: Path, bootstrap: str, **sections:
 
 
 class ChildProcess:
-    """`python -m <module> <args>` with its output in a log file, ready when a line matches."""
+    """`python -m <module> <args>` in a process group of its own, its output in a log file (ready
+    when a line there matches) or, with `inherit_output`, on this process's stdout and stderr for
+    a user to watch."""
 
     module: str = ""
     ready_pattern: re.Pattern[str] = re.compile(r"$^")
     stop_signal = signal.SIGTERM
 
-    def __init__(self, args: list[str], log_path: str | Path | None = None):
+    def __init__(self, args: list[str], log_path: str | Path | None = None, *, inherit_output: bool = False):
         self.args = args
+        self.inherit_output = inherit_output
         self.log_path = Path(log_path) if log_path else None
-        self._owns_log = log_path is None
+        self._owns_log = log_path is None and not inherit_output
         self.process: subprocess.Popen[bytes] | None = None
         self.ready: re.Match[str] | None = None
 
-    def start(self, timeout: float = 60.0) -> ChildProcess:
-        """Spawns the child and waits for its ready line (kept in `ready`); errors carry the log tail."""
-        if self.log_path is None:
+    def spawn(self) -> None:
+        """Starts the child without waiting for it to be ready. Its own session makes it the
+        leader of a new process group, which stop() ends as a whole; a Ctrl-C at the terminal
+        therefore reaches only us, and stop() sends each child its own stop signal once."""
+        if self._owns_log and self.log_path is None:
             handle, name = tempfile.mkstemp(prefix=f"{self.module}-", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", self.module, *self.args]
+        if self.log_path is None:
+            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            return
         with open(self.log_path, "wb") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True,
             )
+
+    def start(self, timeout: float = 60.0) -> ChildProcess:
+        """Spawns the child and waits for its ready line (kept in `ready`); errors carry the log tail."""
+        if self.inherit_output:
+            raise ValueError(f"{self.module}: its output goes to the terminal, there is no ready line to wait for")
+        self.spawn()
         try:
             self.ready = self._wait_for_line(timeout)
         except BaseException:
@@ -169,21 +212,23 @@ class ChildProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """Asks the child to stop, then kills its whole group (with the JVM it started); idempotent."""
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """Asks the child to stop, then kills its whole group (with the JVM it started); idempotent.
+        Returns its exit code, None when it was not started or already stopped."""
         process, self.process = self.process, None
         if process is None:
-            return
+            return None
         _signal_group(process.pid, self.stop_signal)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
         _signal_group(process.pid, signal.SIGKILL)
-        process.wait()
+        code = process.wait()
         if self._owns_log and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
             self.log_path = None
+        return code
 
     def kill(self) -> None:
         """SIGKILL to the whole group at once: a crash, not a stop (nothing gets to clean up)."""
@@ -197,6 +242,25 @@ class ChildProcess:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def supervise(children: Sequence[ChildProcess], started: Callable[[], None], stop_timeout: float = 120.0) -> int:
+    """Spawns the children, calls `started`, then waits until one of them ends or Ctrl-C (or a
+    signal handler's KeyboardInterrupt) arrives, and stops them all, the last spawned first: one
+    child without the other serves nothing. Returns the highest exit code. The stop timeout is
+    long enough for the job's final savepoint; after it a child's group is killed."""
+    codes: list[int | None] = []
+    try:
+        for child in children:
+            child.spawn()
+        started()
+        while all(child.running for child in children):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        codes = [child.stop(stop_timeout) for child in reversed(children)]
+    return max(code or 0 for code in codes)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -237,14 +301,19 @@ class LocalBroker(ChildProcess):
         return float(self.ready["seconds"]) if self.ready else float("nan")
 
 
+def _config_args(config_path: str | Path | None) -> list[str]:
+    """No --config: the child reads conf/config.yaml with the working folder as its base."""
+    return ["--config", str(config_path)] if config_path else []
+
+
 class HttpBridge(ChildProcess):
     """The HTTP bridge (`python -m bridge.server --config ...`); `url` once it is ready."""
 
     module = "bridge.server"
     ready_pattern = re.compile(re.escape(READY_LINE) + r"(?P<url>\S+)")
 
-    def __init__(self, config_path: str | Path, log_path: str | Path | None = None):
-        super().__init__(["--config", str(config_path)], log_path)
+    def __init__(self, config_path: str | Path | None, log_path: str | Path | None = None, *, inherit_output: bool = False):
+        super().__init__(_config_args(config_path), log_path, inherit_output=inherit_output)
         self.url = ""
 
     def start(self, timeout: float = 30.0) -> HttpBridge:
@@ -261,9 +330,19 @@ class EmbeddedJob(ChildProcess):
     # SIGINT lets job.main stop the Flink job with a final savepoint and shut the MiniCluster down.
     stop_signal = signal.SIGINT
 
-    def __init__(self, config_path: str | Path, rest_port: int, log_path: str | Path | None = None, fresh: bool = False):
-        super().__init__(["--config", str(config_path), *(["--fresh"] if fresh else [])], log_path)
+    def __init__(
+        self,
+        config_path: str | Path | None,
+        rest_port: int,
+        log_path: str | Path | None = None,
+        fresh: bool = False,
+        *,
+        inherit_output: bool = False,
+    ):
+        args = [*_config_args(config_path), *(["--fresh"] if fresh else [])]
+        super().__init__(args, log_path, inherit_output=inherit_output)
         self.rest_port = rest_port
+        self.flink = FlinkRest(f"http://127.0.0.1:{rest_port}")
         self.job_id = ""
 
     def start(self, timeout: float = 120.0) -> EmbeddedJob:
@@ -272,7 +351,7 @@ class EmbeddedJob(ChildProcess):
         super().start(timeout)
         self.job_id = self.ready["job_id"]
         try:
-            wait_until_running(self.rest_port, self.job_id, deadline - time.monotonic())
+            self.flink.wait_until_running(self.job_id, deadline - time.monotonic())
         except BaseException:
             self.stop()
             raise
@@ -280,32 +359,8 @@ class EmbeddedJob(ChildProcess):
 
     @property
     def web_ui(self) -> str:
-        return f"http://127.0.0.1:{self.rest_port}"
+        return self.flink.url
 
-    def rest(self, path: str) -> dict:
+    def rest(self, path: str) -> Any:
         """GET on the job's Flink REST API, e.g. rest(f"/jobs/{job.job_id}")."""
-        return flink_rest(self.rest_port, path)
-
-
-def flink_rest(port: int, path: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as response:
-        return json.load(response)
-
-
-def wait_until_running(port: int, job_id: str, timeout: float) -> None:
-    """Polls the Flink REST API until the job and all its vertices run; raises on FAILED/timeout."""
-    deadline = time.monotonic() + timeout
-    state = "unknown"
-    while time.monotonic() < deadline:
-        try:
-            job = flink_rest(port, f"/jobs/{job_id}")
-        except OSError:
-            time.sleep(0.3)
-            continue
-        state = job["state"]
-        if state in ("FAILED", "CANCELED", "FINISHED"):
-            raise RuntimeError(f"job {job_id} is {state}")
-        if state == "RUNNING" and all(vertex["status"] == "RUNNING" for vertex in job["vertices"]):
-            return
-        time.sleep(0.3)
-    raise RuntimeError(f"job {job_id} not running after {timeout:.0f} s (state {state})")
+        return self.flink.get(path)

@@ -17,14 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 
 import pyflink
 import yaml
 
-from ops.processes import PROJECT_ROOT, flink_rest, free_port
+from connectors.flink_rest import FlinkRest, FlinkRestError
+from ops.processes import PROJECT_ROOT, free_port, pids_naming
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def _pyflink_default(flat_key: str) -> str:
 
 class StandaloneCluster:
     """`start-cluster.sh` / `stop-cluster.sh` of the pip-installed PyFlink with a private
-    FLINK_CONF_DIR and FLINK_LIB_DIR, plus `flink run -py` submission of the serving job."""
+    FLINK_CONF_DIR and FLINK_LIB_DIR, plus `flink run -py` submission of the serving job; `rest`
+    asks its JobManager (wait for a job, cancel it)."""
 
     def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2, rpc_port: int = 0):
         self.rest_port = rest_port
@@ -81,10 +82,11 @@ class StandaloneCluster:
         self.lib_dir = self.work_dir / "lib"
         self.log_dir = self.work_dir / "log"
         self.pid_dir = self.work_dir / "pid"
+        self.rest = FlinkRest(f"http://127.0.0.1:{rest_port}")
 
     @property
     def web_ui(self) -> str:
-        return f"http://127.0.0.1:{self.rest_port}"
+        return self.rest.url
 
     def prepare(self) -> None:
         """Writes conf/ and lib/. lib/ is PyFlink's lib/ plus opt/flink-python: with flink-python
@@ -155,9 +157,9 @@ class StandaloneCluster:
     def _wait_for_taskmanager(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             try:
-                if flink_rest(self.rest_port, "/overview").get("taskmanagers", 0) >= 1:
+                if self.rest.taskmanagers() >= 1:
                     return
-            except (OSError, ValueError):
+            except FlinkRestError:
                 pass
             if not self.processes():
                 raise RuntimeError(f"the Flink cluster exited:\n{self.log_tail()}")
@@ -167,16 +169,7 @@ class StandaloneCluster:
     def processes(self) -> list[int]:
         """Pids of this cluster's live JVMs (daemons and CLI), found by the conf dir on their command
         line: unlike pid files, this also finds a daemon whose start or stop was cut short."""
-        pids = []
-        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-            try:
-                args = cmdline.read_bytes().decode(errors="replace").split("\0")
-            except OSError:
-                continue
-            pid = int(cmdline.parent.name)
-            if _names_dir(args, self.conf_dir) and pid != os.getpid() and _is_alive(pid):
-                pids.append(pid)
-        return pids
+        return pids_naming(self.conf_dir)
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of every daemon log: where a cluster that does not come up says why."""
@@ -203,18 +196,6 @@ class StandaloneCluster:
         log.info("job %s submitted to %s", job_id, self.web_ui)
         return job_id
 
-    def cancel(self, job_id: str, timeout: float = 30.0) -> None:
-        """Cancels through the REST API (what the web UI's Cancel button does) and waits for CANCELED."""
-        request = urllib.request.Request(f"{self.web_ui}/jobs/{job_id}?mode=cancel", method="PATCH")
-        with urllib.request.urlopen(request, timeout=5):
-            pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if flink_rest(self.rest_port, f"/jobs/{job_id}")["state"] in ("CANCELED", "FAILED", "FINISHED"):
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"job {job_id} not canceled after {timeout:.0f} s")
-
     def stop(self, timeout: float = 30.0) -> None:
         """stop-cluster.sh, then SIGKILL for any of the cluster's JVMs still there; idempotent."""
         if not self.processes():
@@ -236,21 +217,6 @@ class StandaloneCluster:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
-
-
-def _is_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie (the daemons are not our children)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _names_dir(args: list[str], directory: Path) -> bool:
-    """True when a command-line argument is `directory` or a path inside it."""
-    inside = f"{directory}/"
-    return any(arg == str(directory) or inside in arg for arg in args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.flink_cluster import StandaloneCluster
-from ops.processes import HttpBridge, flink_rest, free_port, wait_until_running
+from ops.processes import HttpBridge, free_port
 from ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
@@ -34,9 +34,9 @@ def test_flink_run_py_serves_requests(cluster: StandaloneCluster, write_config) 
     path, config = write_config(flink={"rest_port": cluster.rest_port})
     submitted = time.monotonic()
     job_id = cluster.submit(path)
-    wait_until_running(cluster.rest_port, job_id, timeout=120)
+    cluster.rest.wait_until_running(job_id, timeout_s=120)
     log.info("submit to running: %.1f s", time.monotonic() - submitted)
-    assert flink_rest(cluster.rest_port, "/overview")["jobs-running"] == 1
+    assert cluster.rest.get("/overview")["jobs-running"] == 1
 
     assert_served(config, COUNT, seed=7, timeout=90)
     # The bridge finds the job on the cluster's REST API (http.flink_rest_url defaults to it here).
@@ -45,5 +45,5 @@ def test_flink_run_py_serves_requests(cluster: StandaloneCluster, write_config) 
         status, body = http_call(f"{bridge.url}/predict", {"instances": [{"features": [0.1] * FEATURES}]})
         assert status == 200 and len(body["predictions"][0]) == 10, body
 
-    cluster.cancel(job_id)
-    assert flink_rest(cluster.rest_port, f"/jobs/{job_id}")["state"] == "CANCELED"
+    cluster.rest.cancel(job_id)
+    assert cluster.rest.job(job_id)["state"] == "CANCELED"

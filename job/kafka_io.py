@@ -1,4 +1,5 @@
-"""Kafka wiring of the Flink job: the request source and the result sink.
+"""Kafka wiring of the Flink job: the request source and the result sink (not named kafka.py: under
+`flink run -py job/main.py` this folder comes first on the path and would hide kafka-python).
 
 Records travel as Row(uri, payload bytes): the Kafka key is the uri, the value is a codec message.
 PyFlink (2.2) has no schema that reads the key or writes a Row field as the key, so two small

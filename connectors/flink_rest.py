@@ -1,0 +1,108 @@
+"""The Flink REST API as the CLI, the HTTP bridge, the docker `submit` service and the tests ask it:
+is a TaskManager there, which job of a name runs, wait for a job to run, cancel one.
+
+urllib is enough for these few JSON calls, so the bridge and the docker image carry no HTTP
+client library for them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+# States a job does not leave: waiting for it to run, or to end, can stop there.
+TERMINAL_STATES = ("FINISHED", "FAILED", "CANCELED")
+POLL_S = 0.3
+
+
+class FlinkRestError(OSError):
+    """The REST API did not answer, or not with JSON. An OSError, as the network failure under it
+    is, so callers that treat any connection failure alike need not name it."""
+
+
+class FlinkRest:
+    """A JobManager's REST API at `url` (http://host:port, the web UI's address)."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def get(self, path: str) -> Any:
+        """GET `path` (e.g. "/overview"); a dict, or a list for metric queries."""
+        return self._call("GET", path)
+
+    def _call(self, method: str, path: str) -> Any:
+        request = urllib.request.Request(f"{self.url}{path}", method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as exc:
+            raise FlinkRestError(
+                f"Flink REST API at {self.url} answered {method} {path} with {exc.code} ({exc.reason})"
+            ) from exc
+        except OSError as exc:
+            raise FlinkRestError(f"Flink REST API not reachable at {self.url} ({exc})") from exc
+        try:
+            return json.loads(body) if body else {}
+        except ValueError as exc:
+            raise FlinkRestError(
+                f"Flink REST API at {self.url} answered {method} {path} with no JSON ({exc})"
+            ) from exc
+
+    def taskmanagers(self) -> int:
+        """How many TaskManagers have registered: a job waits for slots until one has."""
+        return int(self.get("/overview").get("taskmanagers", 0))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job the cluster knows, in any state (name, jid, state, start-time, duration)."""
+        return list(self.get("/jobs/overview").get("jobs", []))
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        """One job's details: its state and its vertices' states."""
+        return self.get(f"/jobs/{job_id}")
+
+    def find_job(self, name: str) -> dict[str, Any] | str:
+        """The running (else the newest) job called `name`, or a sentence saying why there is none:
+        status lines and readiness answers show it as it is."""
+        try:
+            jobs = [job for job in self.jobs() if job.get("name") == name]
+        except FlinkRestError as exc:
+            return str(exc)
+        if not jobs:
+            return f"no {name!r} job on {self.url}"
+        running = [job for job in jobs if job["state"] == "RUNNING"]
+        return max(running or jobs, key=lambda job: job["start-time"])
+
+    def wait_until_running(self, job_id: str, timeout_s: float) -> None:
+        """Returns once the job and all its vertices run: a job reported RUNNING may still be
+        deploying its tasks. Raises RuntimeError when it ends first or the time is up; until the
+        job is known (or the API answers) it keeps asking."""
+        deadline = time.monotonic() + timeout_s
+        state = "unknown"
+        while time.monotonic() < deadline:
+            try:
+                job = self.job(job_id)
+            except FlinkRestError:
+                time.sleep(POLL_S)
+                continue
+            state = job["state"]
+            if state in TERMINAL_STATES:
+                raise RuntimeError(f"job {job_id} is {state}")
+            if state == "RUNNING" and all(vertex["status"] == "RUNNING" for vertex in job["vertices"]):
+                return
+            time.sleep(POLL_S)
+        raise RuntimeError(f"job {job_id} not running after {timeout_s:.0f} s (state {state})")
+
+    def cancel(self, job_id: str, timeout_s: float = 30.0) -> None:
+        """Cancels the job (what the web UI's Cancel button does; no savepoint) and returns once
+        it has ended."""
+        self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.job(job_id)["state"] in TERMINAL_STATES:
+                return
+            time.sleep(POLL_S)
+        raise RuntimeError(f"job {job_id} not canceled after {timeout_s:.0f} s")
