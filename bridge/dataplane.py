@@ -1,7 +1,9 @@
-"""The serving state behind the HTTP routes: enqueue instances with fresh uris, await their results.
+"""The bridge's transport-neutral core: enqueue instances with fresh uris, await their results.
 
 `Bridge` owns the Kafka producer, the single result-topic reader (`ResultWaiter`), the metrics,
-the rate limit and the readiness check; `bridge.server` only turns HTTP into calls on it.
+the limits, the rate limit and the readiness check. It knows no HTTP: it takes instances already
+read from a request and raises `bridge.errors` for what it refuses, and each protocol's router
+(`bridge.protocol`) turns its requests into calls on it and the errors into its own answers.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError
 
+from bridge.errors import (
+    InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unavailable,
+)
 from bridge.metrics import BridgeMetrics
-from bridge.http_json import RequestError
 from connectors.inputs import encode_request
 from bridge.model_info import read_signature
-from ops.operations import flink_job
+from connectors.flink_rest import FlinkRest
 from bridge.result_waiter import ResultWaiter
 from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
 from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
@@ -53,6 +57,8 @@ class TokenBucket:
 
 
 class Bridge:
+    """One served model behind the Kafka topics, for any number of protocol fronts."""
+
     def __init__(self, config: ServingConfig):
         self.config = config
         self.model_name = config.model.name
@@ -94,7 +100,7 @@ class Bridge:
         # hash (murmur2) is pure Python, a fifth of each send's time.
         self._partitions = itertools.cycle(sorted(self.producer.partitions_for(kafka.input_topic)))
         self.waiter = ResultWaiter(
-            kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.late_results.inc,
+            kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.count_late_result,
             isolation_level=READ_COMMITTED, metrics_enabled=False, **properties,
         )
         self.waiter.start(loop)
@@ -130,25 +136,50 @@ class Bridge:
             return "the bridge is not connected to Kafka"
         if not broker_reachable(self.config.kafka.bootstrap_servers):
             return f"no Kafka broker reachable at {self.config.kafka.bootstrap_servers}"
-        job = flink_job(self.config.http.flink_rest_url, timeout_s=2)
+        job = FlinkRest(self.config.http.flink_rest_url, timeout_s=2).find_job(JOB_NAME)
         if isinstance(job, str):
             return job
         if job["state"] != "RUNNING":
             return f"no running {JOB_NAME!r} job on {self.config.http.flink_rest_url} (the newest is {job['state']})"
         return None
 
+    async def require_ready(self) -> None:
+        """Raises NotReady, saying why, unless requests can be served now."""
+        reason = await self.not_ready_reason()
+        if reason:
+            raise NotReady(f"not ready: {reason}")
+
+    def check_model(self, name: str) -> None:
+        """Refuses a request for a model other than the one served."""
+        if name != self.model_name:
+            raise ModelNotFound(f"model {name!r} not found; this bridge serves {self.model_name!r}")
+
     def admit(self) -> None:
         """Applies the rate limit to one predict request."""
         if self.limiter is not None and not self.limiter.take():
-            raise RequestError("rate limit exceeded, retry later", 429)
+            raise RateLimited("rate limit exceeded, retry later")
+
+    def check_instance_count(self, count: int) -> None:
+        """Refuses a request of more instances than `http.max_instances`."""
+        limit = self.config.http.max_instances
+        if count > limit:
+            raise TooLarge(f"{count} instances, over the limit of {limit}")
+
+    async def predict(self, read: Callable[[], list[dict[str, Any]]], count: int | None = None) -> list[Message]:
+        """One predict request of any protocol, checked in the order every protocol answers it:
+        the rate limit; the instance count, where the protocol knows it before reading them; then,
+        timed as the request, `read` (the protocol's reading of its instances) and `infer`."""
+        self.admit()
+        if count is not None:
+            self.check_instance_count(count)
+        with self.metrics.time_request():
+            return await self.infer(read())
 
     async def infer(self, instances: list[dict[str, Any]]) -> list[Message]:
         """Enqueues each instance under a fresh uri and returns their results in order; the first
         error result fails the whole request."""
-        reason = await self.not_ready_reason()
-        if reason:
-            raise RequestError(f"not ready: {reason}", 503)
-        with self.metrics.enqueue.time():
+        await self.require_ready()
+        with self.metrics.time_enqueue():
             records = [(f"{self.uri_prefix}{next(self._sequence)}", data) for data in instances]
             payloads = [self._encode(i, uri, data) for i, (uri, data) in enumerate(records)]
         assert self.waiter is not None and self.producer is not None
@@ -156,15 +187,15 @@ class Bridge:
         try:
             for (uri, _), payload in zip(records, payloads):
                 self._send(uri, payload)
-            with self.metrics.wait_result.time():
+            with self.metrics.time_wait_result():
                 timeout = self.config.http.request_timeout_s
                 try:
                     async with asyncio.timeout(timeout):  # one timer; wait_for(gather()) added two futures
                         messages = [await future for future in futures]
                 except TimeoutError:
-                    raise RequestError(f"no result within {timeout:g} s", 504) from None
+                    raise Timeout(f"no result within {timeout:g} s") from None
                 except KafkaError as exc:
-                    raise RequestError(f"could not enqueue the request: {exc}", 503) from None
+                    raise Unavailable(f"could not enqueue the request: {exc}") from None
         finally:
             for uri, _ in records:
                 self.waiter.forget(uri)
@@ -174,10 +205,10 @@ class Bridge:
         try:
             payload = encode_request(uri, data)
         except (ValueError, OSError) as exc:
-            raise RequestError(f"instance {index}: {exc}") from None
+            raise InvalidRequest(f"instance {index}: {exc}") from None
         limit = self.config.limits.max_instance_bytes
         if len(payload) > limit:
-            raise RequestError(f"instance {index}: {len(payload)} bytes encoded, over the limit of {limit}", 413)
+            raise TooLarge(f"instance {index}: {len(payload)} bytes encoded, over the limit of {limit}")
         return payload
 
     def _send(self, uri: str, payload: bytes) -> None:
@@ -188,15 +219,15 @@ class Bridge:
                 self.config.kafka.input_topic, key=uri.encode(), value=payload, partition=next(self._partitions)
             )
         except Exception as exc:
-            raise RequestError(f"could not enqueue the request: {exc}", 503) from None
+            raise Unavailable(f"could not enqueue the request: {exc}") from None
         sent.add_errback(lambda exc: loop.call_soon_threadsafe(waiter.fail, uri, exc))
 
     def _result(self, index: int, message: Message) -> Message:
         if message.inference_us is not None:
             self.metrics.record_inference_us(message.inference_us)
         if message.error is not None:
-            status = 500 if message.error.startswith(SERVER_SIDE_ERRORS) else 400
-            raise RequestError(f"instance {index}: {message.error}", status)
+            error = InferenceFailed if message.error.startswith(SERVER_SIDE_ERRORS) else InvalidRequest
+            raise error(f"instance {index}: {message.error}")
         return message
 
 

@@ -4,6 +4,8 @@
 JSON numbers carry no dtype, so dense values are typed from the model's signature; a value that
 would change meaning on the way (a fraction for an integer input, a number out of the dtype's
 range, a number for a string input, NaN or an infinity) is refused instead of silently converted.
+Refusals are `bridge.errors` (or the connectors' TensorError): which status each gets is decided
+there, not here.
 """
 
 from __future__ import annotations
@@ -17,18 +19,11 @@ from typing import Any, NoReturn
 import numpy as np
 import orjson
 
+from bridge.errors import InvalidRequest, TooLarge
 from bridge.model_info import ModelSignature
 from connectors.codec import Message, Value
 from connectors.inputs import json_inputs, result_of
 from connectors.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
-
-
-class RequestError(ValueError):
-    """A request the bridge refuses; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 def strict_json(body: bytes) -> Any:
@@ -53,12 +48,19 @@ def _not_json(constant: str) -> NoReturn:
     raise json.JSONDecodeError(f"{constant} is not a JSON value", "", 0)
 
 
-def instance_inputs(instance: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> dict[str, Value]:
-    """One `instances` entry -> its wire values, typed by the model's signature."""
+def read_instances(
+    instances: list[Any], signature: ModelSignature, image_inputs: frozenset[str]
+) -> list[dict[str, Value]]:
+    """`instances` entries -> their wire values, typed by the model's signature; an error names
+    the instance it is about."""
+    return [_instance(index, instance, signature, image_inputs) for index, instance in enumerate(instances)]
+
+
+def _instance(index: int, instance: Any, signature: ModelSignature, image_inputs: frozenset[str]) -> dict[str, Value]:
     try:
         return json_inputs(instance, lambda name: _dtype(signature, name), image_inputs)
     except TensorError as exc:
-        raise RequestError(str(exc)) from None
+        raise TensorError(f"instance {index}: {exc}") from None
 
 
 def _dtype(signature: ModelSignature, name: str) -> np.dtype | None:
@@ -86,16 +88,16 @@ def v2_instances(
     tensors = [_v2_tensor(tensor, signature) for tensor in inputs]
     twice = [name for name, count in Counter(tensor.name for tensor in tensors).items() if count > 1]
     if twice:
-        raise RequestError(f"input {twice[0]!r} given twice")
+        raise InvalidRequest(f"input {twice[0]!r} given twice")
     count = _v2_batch(tensors, signature.batched, max_instances)
     instance_bytes = sum(math.prod(tensor.shape) * tensor.dtype.itemsize for tensor in tensors) // count
     if instance_bytes > max_instance_bytes:  # strings counted as pointers: a lower bound
-        raise RequestError(f"{instance_bytes} bytes of values per instance, over the limit of {max_instance_bytes}", 413)
+        raise TooLarge(f"{instance_bytes} bytes of values per instance, over the limit of {max_instance_bytes}")
     try:
         arrays = {tensor.name: dense_array(tensor.name, tensor.data, tensor.dtype, from_json=True).reshape(tensor.shape)
                   for tensor in tensors}
-    except TensorError as exc:
-        raise RequestError(str(exc)) from None
+    except TensorError as exc:  # as InvalidRequest: all that v2_instances refuses is a BridgeError
+        raise InvalidRequest(str(exc)) from None
     if not signature.batched:
         return [arrays]
     return [{name: array[i] for name, array in arrays.items()} for i in range(count)]
@@ -108,9 +110,9 @@ def _v2_tensor(tensor: dict, signature: ModelSignature) -> V2Tensor:
     dtype = _v2_dtype(name, tensor["datatype"], signature)
     if not any(isinstance(item, list) for item in data):
         if len(data) != math.prod(shape):
-            raise RequestError(f"input {name!r}: {len(data)} values do not fill shape {list(shape)}")
+            raise InvalidRequest(f"input {name!r}: {len(data)} values do not fill shape {list(shape)}")
     elif not _nested_as(data, shape):
-        raise RequestError(f"input {name!r}: nested data do not have shape {list(shape)}")
+        raise InvalidRequest(f"input {name!r}: nested data do not have shape {list(shape)}")
     return V2Tensor(name, shape, dtype, data)
 
 
@@ -125,12 +127,12 @@ def _v2_dtype(name: str, datatype: str, signature: ModelSignature) -> np.dtype:
     against the range the model takes. A datatype of another kind is refused: the job casts
     INT32 or BOOL to FP32 without a word."""
     if datatype not in V2_NUMPY_DTYPES:
-        raise RequestError(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
+        raise InvalidRequest(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
     declared, info = V2_NUMPY_DTYPES[datatype], signature.input(name)
     if info is None:
         return declared  # the job names the unknown input
     if _kind(declared) != _kind(info.dtype):
-        raise RequestError(f"input {name!r}: expects {info.datatype}, got {datatype}")
+        raise InvalidRequest(f"input {name!r}: expects {info.datatype}, got {datatype}")
     return info.dtype
 
 
@@ -145,12 +147,12 @@ def _v2_batch(tensors: list[V2Tensor], batched: bool, max_instances: int) -> int
         return 1
     leading = {tensor.shape[:1] for tensor in tensors}
     if len(leading) != 1 or () in leading:
-        raise RequestError("every input needs the same leading batch dimension")
+        raise InvalidRequest("every input needs the same leading batch dimension")
     (count,) = leading.pop()
     if count < 1:
-        raise RequestError("the batch dimension is 0: a request needs at least one instance")
+        raise InvalidRequest("the batch dimension is 0: a request needs at least one instance")
     if count > max_instances:
-        raise RequestError(f"batch of {count}, over the limit of {max_instances}", 413)
+        raise TooLarge(f"batch of {count}, over the limit of {max_instances}")
     return count
 
 
@@ -179,7 +181,7 @@ def v2_outputs(results: list[Message], batched: bool, wanted: list[str] | None) 
     outputs = []
     for name in names:
         if any(name not in result.tensors for result in results):
-            raise RequestError(f"no output {name!r}; the results have {', '.join(results[0].tensors)}")
+            raise InvalidRequest(f"no output {name!r}; the results have {', '.join(results[0].tensors)}")
         parts = [np.asarray(result.tensors[name]) for result in results]
         array = np.stack(parts) if batched else parts[0]
         outputs.append({

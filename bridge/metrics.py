@@ -1,5 +1,12 @@
-"""The bridge's metrics: pyformance timers and counters, shown as BigDL/Dropwizard-style JSON on
+"""The bridge's metrics: what it times and counts, shown as BigDL/Dropwizard-style JSON on
 `/metrics` and as Prometheus text on `/metrics/prometheus`.
+
+pyformance is the engine, and this module is the only one that knows it: the rest of the bridge
+times and counts through `BridgeMetrics`' methods. Only pyformance's public API is used: its
+Timer and Counter built directly (a MetricsRegistry would only be a second dict of the same
+metrics, and it has no public way to list them), and a time measured elsewhere (the job's
+inference time) recorded on the timer's public histogram and meter, which is all that the
+private `Timer._update` behind `Timer.time()` does for a timer without a sink.
 
 Timers record seconds; both views show milliseconds, as the BigDL programming guide does.
 """
@@ -8,11 +15,11 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import AbstractContextManager
 from typing import Any
 
 # pyformance 0.4 (unmaintained, see README) imports the deprecated pkg_resources at import time.
 warnings.filterwarnings("ignore", message=".*pkg_resources")
-from pyformance import MetricsRegistry  # noqa: E402
 from pyformance.meters import Counter, Timer  # noqa: E402
 
 PREFIX = "cluster_serving.http"
@@ -24,38 +31,63 @@ REQUESTS_BY_STATUS = f"{PREFIX}.responses"  # + ".<status>": counters
 LATE_RESULTS = f"{PREFIX}.late_results"
 PERCENTILES = (("_75thPercentile", 0.75), ("_95thPercentile", 0.95), ("_98thPercentile", 0.98),
                ("_99thPercentile", 0.99), ("_999thPercentile", 0.999))
-
-
 TIMER_FIELDS = ("min", "max", "mean", "median", "stdDev", *(label for label, _ in PERCENTILES))
 
 
 class BridgeMetrics:
+    """The bridge's timers and counters by name; a response counter appears with its first status."""
+
     def __init__(self) -> None:
-        self.registry = MetricsRegistry()
-        # pyformance has no public way to list a registry's metrics: keep them by name here.
-        self._metrics: dict[str, Timer | Counter] = {}
-        self.request = self._timer(REQUEST)
-        self.enqueue = self._timer(ENQUEUE)
-        self.wait_result = self._timer(WAIT_RESULT)
-        self.inference = self._timer(INFERENCE)
-        self.late_results = self._counter(LATE_RESULTS)
+        self._timers: dict[str, Timer] = {}
+        self._counters: dict[str, Counter] = {}
+        self._request = self._timer(REQUEST)
+        self._enqueue = self._timer(ENQUEUE)
+        self._wait_result = self._timer(WAIT_RESULT)
+        self._inference = self._timer(INFERENCE)
+        self._late_results = self._counter(LATE_RESULTS)
 
     def _timer(self, name: str) -> Timer:
-        return self._metrics.setdefault(name, self.registry.timer(name))
+        if name not in self._timers:
+            self._timers[name] = Timer()
+        return self._timers[name]
 
     def _counter(self, name: str) -> Counter:
-        return self._metrics.setdefault(name, self.registry.counter(name))
+        if name not in self._counters:
+            self._counters[name] = Counter()
+        return self._counters[name]
+
+    def _all(self) -> list[tuple[str, Timer | Counter]]:
+        return sorted({**self._timers, **self._counters}.items())
+
+    def time_request(self) -> AbstractContextManager[None]:
+        """Times a predict request, from reading its instances until every result is in."""
+        return self._request.time()
+
+    def time_enqueue(self) -> AbstractContextManager[None]:
+        """Times encoding a request's instances."""
+        return self._enqueue.time()
+
+    def time_wait_result(self) -> AbstractContextManager[None]:
+        """Times a request's wait for its results."""
+        return self._wait_result.time()
 
     def count_response(self, status: int) -> None:
         self._counter(f"{REQUESTS_BY_STATUS}.{status}").inc()
 
+    def count_late_result(self) -> None:
+        """A result that came after its request gave up."""
+        self._late_results.inc()
+
     def record_inference_us(self, micros: int) -> None:
-        self.inference._update(micros / 1_000_000)  # pyformance's own entry for a measured time
+        """The job's inference time for one result, measured by the job."""
+        if micros >= 0:
+            self._inference.hist.add(micros / 1_000_000)
+            self._inference.meter.mark()
 
     def dropwizard(self) -> list[dict[str, Any]]:
         """One entry per metric, timer fields named as in the BigDL guide, times in ms."""
         entries = []
-        for name, metric in sorted(self._metrics.items()):
+        for name, metric in self._all():
             if isinstance(metric, Timer):
                 entries.append({"name": name, **_timer_fields(metric)})
             else:
@@ -65,19 +97,24 @@ class BridgeMetrics:
     def prometheus(self) -> str:
         """Prometheus text format: each timer a summary in seconds, each counter a counter."""
         lines = []
-        for name, metric in sorted(self._metrics.items()):
+        for name, metric in self._all():
             metric_name = re.sub(r"[^a-zA-Z0-9_]", "_", name)
             if isinstance(metric, Timer):
-                snapshot = metric.get_snapshot()
-                lines.append(f"# TYPE {metric_name}_seconds summary")
-                for label, quantile in (("0.5", 0.5), *((str(q), q) for _, q in PERCENTILES)):
-                    lines.append(f'{metric_name}_seconds{{quantile="{label}"}} {snapshot.get_percentile(quantile)}')
-                lines.append(f"{metric_name}_seconds_sum {metric.get_sum()}")
-                lines.append(f"{metric_name}_seconds_count {int(metric.get_count())}")
+                lines.extend(_summary_lines(metric_name, metric))
             else:
                 lines.append(f"# TYPE {metric_name}_total counter")
                 lines.append(f"{metric_name}_total {metric.get_count()}")
         return "\n".join(lines) + "\n"
+
+
+def _summary_lines(metric_name: str, timer: Timer) -> list[str]:
+    snapshot = timer.get_snapshot()
+    lines = [f"# TYPE {metric_name}_seconds summary"]
+    for label, quantile in (("0.5", 0.5), *((str(q), q) for _, q in PERCENTILES)):
+        lines.append(f'{metric_name}_seconds{{quantile="{label}"}} {snapshot.get_percentile(quantile)}')
+    lines.append(f"{metric_name}_seconds_sum {timer.get_sum()}")
+    lines.append(f"{metric_name}_seconds_count {int(timer.get_count())}")
+    return lines
 
 
 def _timer_fields(timer: Timer) -> dict[str, Any]:
@@ -97,4 +134,3 @@ def _timer_fields(timer: Timer) -> dict[str, Any]:
     }
     fields.update({label: snapshot.get_percentile(q) * ms for label, q in PERCENTILES})
     return fields
-

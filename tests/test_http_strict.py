@@ -17,7 +17,8 @@ import uvicorn
 
 from bridge.dataplane import Bridge
 from bridge.server import listen, server_config
-from bridge.http_json import RequestError, strict_json, v2_instances
+from bridge.errors import BridgeError
+from bridge.http_json import strict_json, v2_instances
 from bridge.model_info import ModelSignature, read_signature
 from connectors.tensors import TensorError, TensorSpec, dense_array
 from ops.processes import free_port, write_run_config
@@ -88,7 +89,7 @@ def v2(shape: list[int], data: list, datatype: str = "FP32", name: str = "featur
 def test_v2_requests_are_checked_before_arrays_are_built(
     signature: ModelSignature, inputs: list[dict], status: int, message: str
 ) -> None:
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(BridgeError) as refused:
         v2_instances(inputs, signature, max_instances=4, max_instance_bytes=1024)
     assert refused.value.status == status and message in str(refused.value)
 
@@ -102,7 +103,7 @@ def test_v2_casts_within_a_kind_and_takes_nested_data(signature: ModelSignature)
     uint8 = ModelSignature((TensorSpec("pixels", np.dtype("uint8"), (None, 2)),), ())
     (instance,) = v2_instances([v2([1, 2], [7, 255], "INT64", "pixels")], uint8, max_instances=4, max_instance_bytes=1024)
     assert instance["pixels"].dtype == np.uint8
-    with pytest.raises(RequestError, match="input 'pixels': values outside the range of uint8"):
+    with pytest.raises(BridgeError, match="input 'pixels': values outside the range of uint8"):
         v2_instances([v2([1, 2], [7, 300], "INT64", "pixels")], uint8, max_instances=4, max_instance_bytes=1024)
 
 

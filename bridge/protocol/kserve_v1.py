@@ -1,0 +1,54 @@
+"""KServe's v1 protocol (TensorFlow Serving's): `{"instances": [...]}` in, `{"predictions": [...]}`
+out, one prediction per instance, in order; and the model list and model health routes."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+from bridge.dataplane import Bridge
+from bridge.errors import ModelNotFound, Unauthenticated
+from bridge.http.fast_path import predict_route
+from bridge.http.openapi import documented, model_path
+from bridge.http_json import prediction, read_instances
+
+TAGS: list[str | Enum] = ["KServe v1"]
+
+
+class PredictRequest(BaseModel):
+    instances: list[dict[str, Any]] = Field(min_length=1, description="one object of input name -> value per instance")
+
+
+class PredictResponse(BaseModel):
+    predictions: list[Any]
+
+
+async def predict_instances(bridge: Bridge, body: PredictRequest) -> dict[str, list[Any]]:
+    """The predictions for `body`'s instances (BigDL's /predict answers the same way)."""
+    instances = body.instances
+    results = await bridge.predict(
+        lambda: read_instances(instances, bridge.signature, bridge.image_inputs), count=len(instances)
+    )
+    return {"predictions": [prediction(result) for result in results]}
+
+
+def register(app: FastAPI, bridge: Bridge) -> None:
+    """Adds the v1 routes over `bridge` to `app`."""
+    name = model_path(bridge)
+
+    @app.get("/v1/models", responses=documented(Unauthenticated), tags=TAGS)
+    async def v1_models() -> dict[str, list[str]]:
+        return {"models": [bridge.model_name]}
+
+    @app.get("/v1/models/{model_name}", responses=documented(Unauthenticated, ModelNotFound), tags=TAGS)
+    async def v1_model(model_name: str = name) -> dict[str, Any]:
+        bridge.check_model(model_name)
+        return {"name": bridge.model_name, "ready": await bridge.not_ready_reason() is None}
+
+    @predict_route(app, "/v1/models/{model_name}:predict", response_model=PredictResponse, tags=TAGS)
+    async def v1_predict(body: PredictRequest, model_name: str = name) -> dict[str, list[Any]]:
+        bridge.check_model(model_name)
+        return await predict_instances(bridge, body)
