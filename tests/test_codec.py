@@ -14,19 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from connectors.codec import (
-    V2_MAGIC,
-    END_OF_STREAM,
-    NUMERIC_DTYPES,
-    DecodeError,
-    EncodedImage,
-    Message,
-    SparseTensor,
-    _field,
-    _table,
-    decode_message,
-    encode_message,
-)
+from connectors.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
+from connectors.wire.v1 import END_OF_STREAM, _field, _table
+from connectors.wire.v2 import V2_MAGIC
+from connectors.wire.values import NUMERIC_DTYPES
 from tests.arrow_streams import one_batch_stream, write_stream
 from tests.memory import peak_rss_growth_mb
 

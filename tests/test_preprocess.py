@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from connectors.inputs import wire_value
+from connectors.inputs import json_inputs, wire_value
 from conf import ImageConfig, LimitsConfig, load_config
-from connectors.codec import EncodedImage, Message, SparseTensor
+from connectors.codec import EncodedImage, Message, SparseTensor, decode_message, encode_message
+from connectors.tensors import TensorError
+from connectors.wire.kinds import KINDS, DenseKind, ImageKind, SparseKind, kind_of
 from job.model import InvalidInput
 from job.postprocess import top_n
 from job.preprocess import configure_pillow, decode_image, prepare_values
@@ -183,6 +185,40 @@ def test_client_reads_the_four_input_forms(tmp_path: Path) -> None:
 def test_client_refuses_bad_values(value: object, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         wire_value("v", value)
+
+
+def test_every_kind_goes_through_every_room() -> None:
+    """Each registered kind from a client's form and from JSON, over the wire in both versions, to
+    the model's array: a new kind fails here until it brings an example of each."""
+    b64 = base64.b64encode(png()).decode()
+    examples = {
+        ImageKind: ({"b64": b64}, {"b64": b64}, PIXELS),
+        SparseKind: ([np.array([[0, 1], [2, 0]]), np.array([5.0, 6.0]), np.array([2, 3])],
+                     {"shape": [2, 3], "data": [5, 6], "indices": [[0, 2], [1, 0]]}, [[0, 0, 5.0], [6.0, 0, 0]]),
+        DenseKind: (np.arange(4.0).reshape(2, 2), [[0, 1], [2, 3]], [[0.0, 1.0], [2.0, 3.0]]),
+    }
+    assert [type(kind) for kind in KINDS] == list(examples)  # the order the forms are tried in
+    limits = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=100)
+    for kind in KINDS:
+        client_form, json_form, expected = examples[type(kind)]
+        from_client = wire_value("v", client_form)
+        from_json = json_inputs({"v": json_form}, lambda name: np.dtype("float64"), frozenset())["v"]
+        for value in (from_client, from_json):
+            assert kind_of(value) is kind
+            for version in (1, 2):
+                decoded = decode_message(encode_message(Message("u", {"v": value}), version=version), 1 << 20).tensors
+                assert kind_of(decoded["v"]) is kind
+                np.testing.assert_array_equal(prepare_values(decoded, {}, limits)["v"], expected)
+
+
+def test_json_objects_of_no_kind_are_refused_naming_every_kind() -> None:
+    with pytest.raises(TensorError) as refused:
+        json_inputs({"v": {"url": "http://x"}}, lambda name: None, frozenset())
+    assert str(refused.value) == (
+        "input 'v': an object must be an image {'b64': '...'} or a sparse tensor "
+        "{'shape': [...], 'data': [...], 'indices': [[...], ...]}"
+    )
+    assert json_inputs({"v": "aGk="}, lambda name: None, frozenset({"v"}))["v"] == EncodedImage(b"hi")
 
 
 def test_image_config_is_validated() -> None:
