@@ -1,5 +1,6 @@
 """HTTP load for the benchmark: clients on kept-alive connections, each sending one-instance
-POST /predict requests to the bridge, timed as they see it."""
+requests to the bridge (POST /predict as JSON, or v2 /infer with binary tensor data), timed as
+they see it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import http.client
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,17 +16,42 @@ import numpy as np
 from bench.models import BenchModel
 from bench.report import latency_ms
 
-# Distinct /predict bodies, encoded before the clients start so their JSON encoding is not timed.
+# Distinct request bodies, encoded before the clients start so their encoding is not timed.
 HTTP_BODIES = 16
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-def predict_bodies(model: BenchModel, samples: np.ndarray) -> list[str]:
-    """One-instance /predict bodies as a user sends them: the tensor as nested JSON lists."""
-    return [json.dumps({"instances": [{model.input_name: sample.tolist()}]}) for sample in samples[:HTTP_BODIES]]
+@dataclass(frozen=True)
+class HttpRequest:
+    path: str
+    body: bytes
+    headers: dict[str, str]
 
 
-def http_load(url: str, bodies: list[str], clients: int, requests: int) -> dict[str, Any]:
-    """`clients` threads share `requests` one-instance /predict calls; every answer must be a 200."""
+def http_protocol(model: BenchModel) -> str:
+    return "v2 /infer, binary tensor data" if model.http_binary else "/predict, JSON"
+
+
+def predict_requests(model: BenchModel, samples: np.ndarray) -> list[HttpRequest]:
+    """One-instance requests as a user sends them: /predict with the tensor as nested JSON lists,
+    or v2 /infer with the tensor's bytes after a JSON header (the binary tensor data extension)."""
+    return [_binary(model, sample) if model.http_binary else _json(model, sample) for sample in samples[:HTTP_BODIES]]
+
+
+def _json(model: BenchModel, sample: np.ndarray) -> HttpRequest:
+    return HttpRequest("/predict", json.dumps({"instances": [{model.input_name: sample.tolist()}]}).encode(), JSON_HEADERS)
+
+
+def _binary(model: BenchModel, sample: np.ndarray) -> HttpRequest:
+    tensor = {"name": model.input_name, "shape": [1, *sample.shape], "datatype": "FP32",
+              "parameters": {"binary_data_size": sample.nbytes}}
+    header = json.dumps({"inputs": [tensor]}).encode()
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))}
+    return HttpRequest("/v2/models/model/infer", header + sample.astype("<f4").tobytes(), headers)
+
+
+def http_load(url: str, bodies: list[HttpRequest], clients: int, requests: int) -> dict[str, Any]:
+    """`clients` threads share `requests` one-instance calls; every answer must be a 200."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
     failures: list[str] = []
@@ -33,7 +60,8 @@ def http_load(url: str, bodies: list[str], clients: int, requests: int) -> dict[
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
         for i in range(index, requests, clients):
             started = time.perf_counter()
-            connection.request("POST", "/predict", bodies[i % len(bodies)], {"Content-Type": "application/json"})
+            call = bodies[i % len(bodies)]
+            connection.request("POST", call.path, call.body, call.headers)
             response = connection.getresponse()
             answer = response.read()
             latencies.append((time.perf_counter() - started) * 1000)

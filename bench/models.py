@@ -32,6 +32,9 @@ class BenchModel:
     requests: int
     latency_requests: int
     http_requests_per_client: int
+    # HTTP requests as v2 /infer with the binary tensor data extension instead of /predict JSON:
+    # what users of image models send (Triton's clients do), a 48 KiB tensor being ~250 KB as JSON text.
+    http_binary: bool = False
 
     @property
     def instance_bytes(self) -> int:
@@ -94,6 +97,6 @@ def bench_models(hidden: int) -> dict[str, BenchModel]:
         "cnn": BenchModel(
             "cnn", f"CNN {'x'.join(map(str, CNN_SHAPE))} -> conv32 -> conv128/2 -> conv128/2 -> {CLASSES}", CNN_INPUT,
             CNN_SHAPE, build_cnn,
-            requests=8000, latency_requests=1000, http_requests_per_client=20,
+            requests=8000, latency_requests=1000, http_requests_per_client=20, http_binary=True,
         ),
     }

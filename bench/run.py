@@ -43,7 +43,7 @@ import onnxruntime as ort
 from kafka import KafkaConsumer, TopicPartition
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
-from bench.http_load import http_load, predict_bodies
+from bench.http_load import http_load, http_protocol, predict_requests
 from bench.models import BenchModel, bench_models
 from bench.report import json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
@@ -285,14 +285,14 @@ def http_phases(model: BenchModel, config_path: Path, folder: Path, samples: np.
     """The bridge at each client count (and a few untimed calls first, under "warmup"); each client
     sends the same number of requests (HTTP_MIN_REQUESTS in all at least), so one client does not
     take 32 times as long as 32."""
-    bodies = predict_bodies(model, samples)
+    bodies = predict_requests(model, samples)
     per_client = args.http_requests_per_client or model.http_requests_per_client
     progress(model.name, "starting the HTTP bridge ...")
     with HttpBridge(config_path, folder / f"bridge-{model.name}.log") as bridge:
         served = {"warmup": http_load(bridge.url, bodies, 1, HTTP_WARMUP)}
         for clients in args.http_clients:
             requests = max(clients * per_client, HTTP_MIN_REQUESTS)
-            progress(model.name, f"HTTP /predict: {plural(clients, 'client')}, {requests} requests ...")
+            progress(model.name, f"HTTP {http_protocol(model)}: {plural(clients, 'client')}, {requests} requests ...")
             served[str(clients)] = http_load(bridge.url, bodies, clients, requests)
     return served
 
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -
         raw = {str(size): raw_onnxruntime(session, size) for size in (1, args.batch_size)}
         model = models[name]
         results[name] = {"description": model.description, "instance_bytes": model.instance_bytes,
-                         **with_ratios(figures[name], raw, args)}
+                         "http_protocol": http_protocol(model), **with_ratios(figures[name], raw, args)}
     return {"machine": machine(", ".join(sorted(set(providers)))), "models": results}
 
 

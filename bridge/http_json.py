@@ -75,7 +75,7 @@ class V2Tensor:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    data: list[Any]
+    data: list[Any] | np.ndarray  # JSON values, or the binary extension's values
 
 
 def v2_instances(
@@ -94,8 +94,7 @@ def v2_instances(
     if instance_bytes > max_instance_bytes:  # strings counted as pointers: a lower bound
         raise TooLarge(f"{instance_bytes} bytes of values per instance, over the limit of {max_instance_bytes}")
     try:
-        arrays = {tensor.name: dense_array(tensor.name, tensor.data, tensor.dtype, from_json=True).reshape(tensor.shape)
-                  for tensor in tensors}
+        arrays = {tensor.name: _array(tensor) for tensor in tensors}
     except TensorError as exc:  # as InvalidRequest: all that v2_instances refuses is a BridgeError
         raise InvalidRequest(str(exc)) from None
     if not signature.batched:
@@ -108,12 +107,22 @@ def _v2_tensor(tensor: dict, signature: ModelSignature) -> V2Tensor:
     fill the shape."""
     name, shape, data = tensor["name"], tuple(tensor["shape"]), tensor["data"]
     dtype = _v2_dtype(name, tensor["datatype"], signature)
-    if not any(isinstance(item, list) for item in data):
+    if isinstance(data, np.ndarray):  # binary data: flat, typed as the request declared it
+        if data.size != math.prod(shape):
+            raise InvalidRequest(f"input {name!r}: {data.size} values do not fill shape {list(shape)}")
+    elif not any(isinstance(item, list) for item in data):
         if len(data) != math.prod(shape):
             raise InvalidRequest(f"input {name!r}: {len(data)} values do not fill shape {list(shape)}")
     elif not _nested_as(data, shape):
         raise InvalidRequest(f"input {name!r}: nested data do not have shape {list(shape)}")
     return V2Tensor(name, shape, dtype, data)
+
+
+def _array(tensor: V2Tensor) -> np.ndarray:
+    """The tensor's values as the model's dtype; only JSON values are refused for being non-finite
+    (JSON has no NaN: there it means an overflow), binary floats are taken as they are."""
+    from_json = not isinstance(tensor.data, np.ndarray)
+    return dense_array(tensor.name, tensor.data, tensor.dtype, from_json=from_json).reshape(tensor.shape)
 
 
 def _nested_as(data: Any, shape: tuple[int, ...]) -> bool:
@@ -174,20 +183,22 @@ def prediction(result: Message) -> Any:
     return next(iter(values.values())) if len(values) == 1 else values
 
 
-def v2_outputs(results: list[Message], batched: bool, wanted: list[str] | None) -> list[dict]:
-    """Per-instance results stacked back into v2 output tensors (batch dimension first when the
-    model has one). A top-N result has two: `classes` and `probabilities`."""
+def v2_output_arrays(results: list[Message], batched: bool, wanted: list[str] | None) -> dict[str, np.ndarray]:
+    """Per-instance results stacked back into output tensors (batch dimension first when the
+    model has one), by output name. A top-N result has two: `classes` and `probabilities`."""
     names = wanted or list(results[0].tensors)
-    outputs = []
+    arrays = {}
     for name in names:
         if any(name not in result.tensors for result in results):
             raise InvalidRequest(f"no output {name!r}; the results have {', '.join(results[0].tensors)}")
         parts = [np.asarray(result.tensors[name]) for result in results]
-        array = np.stack(parts) if batched else parts[0]
-        outputs.append({
-            "name": name,
-            "shape": list(array.shape),
-            "datatype": V2_DATATYPES.get(array.dtype.name, "BYTES"),
-            "data": json_values(array.reshape(-1)),
-        })
-    return outputs
+        arrays[name] = np.stack(parts) if batched else parts[0]
+    return arrays
+
+
+def v2_datatype(array: np.ndarray) -> str:
+    return V2_DATATYPES.get(array.dtype.name, "BYTES")
+
+
+def v2_json_output(name: str, array: np.ndarray) -> dict[str, Any]:
+    return {"name": name, "shape": list(array.shape), "datatype": v2_datatype(array), "data": json_values(array.reshape(-1))}

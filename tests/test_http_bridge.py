@@ -12,8 +12,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from email.message import Message
 from pathlib import Path
 
 import numpy as np
@@ -334,3 +337,52 @@ def test_bridge_connections_send_small_writes_at_once() -> None:
                 writer.close()
 
     assert asyncio.run(nodelay_of_accepted_socket()) != 0
+
+
+def binary_infer(url: str, request: dict, binary: bytes) -> tuple[int, dict, bytes, Message]:
+    """POST a v2 request with the binary tensor data extension: (status, JSON part, binary part, headers)."""
+    header = json.dumps(request).encode()
+    call = urllib.request.Request(
+        f"{url}/v2/models/model/infer", data=header + binary, method="POST",
+        headers={"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
+    )
+    try:
+        with urllib.request.urlopen(call, timeout=60) as response:
+            status, payload, headers = response.status, response.read(), response.headers
+    except urllib.error.HTTPError as error:
+        status, payload, headers = error.code, error.read(), error.headers
+    length = int(headers.get("Inference-Header-Content-Length", len(payload)))
+    return status, json.loads(payload[:length]), payload[length:], headers
+
+
+def test_v2_binary_tensor_data_in_and_out(stack: Stack) -> None:
+    """Triton's and KServe's binary extension: raw little-endian values after the JSON part."""
+    rows = features(4, seed=11)
+    expected = stack.expected(rows)
+    tensor = {"name": "features", "shape": [4, FEATURES], "datatype": "FP32", "parameters": {"binary_data_size": rows.nbytes}}
+    status, body, binary, headers = binary_infer(stack.url, {"inputs": [tensor], "parameters": {"binary_data_output": True}}, rows.tobytes())
+    assert status == 200, body
+    (output,) = body["outputs"]
+    assert output["shape"] == [4, 10] and output["parameters"] == {"binary_data_size": 4 * 10 * 4} and "data" not in output
+    assert headers["Content-Type"] == "application/octet-stream"
+    np.testing.assert_allclose(np.frombuffer(binary, "<f4").reshape(4, 10), expected, atol=1e-5)
+
+    status, body, binary, _ = binary_infer(stack.url, {"inputs": [tensor]}, rows.tobytes())
+    assert status == 200 and binary == b"", body
+    np.testing.assert_allclose(np.array(body["outputs"][0]["data"]).reshape(4, 10), expected, atol=1e-5)
+    assert http_call(f"{stack.url}/v2")[1]["extensions"] == ["binary_tensor_data"]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "binary", "message"),
+    [
+        ({"binary_data_size": 10}, b"\0" * 8, "binary_data_size 10 is not within the 8 bytes left"),
+        ({"binary_data_size": 8}, b"\0" * 12, "4 bytes of binary data belong to no input"),
+        ({"binary_data_size": 6}, b"\0" * 6, "6 bytes are not a whole number of FP32 values"),
+        ({"binary_data_size": 8}, b"\0" * 8, "2 values do not fill shape"),
+    ],
+)
+def test_v2_binary_tensor_data_that_does_not_add_up_is_refused(stack: Stack, tensor: dict, binary: bytes, message: str) -> None:
+    request = {"inputs": [{"name": "features", "shape": [1, FEATURES], "datatype": "FP32", "parameters": tensor}]}
+    status, body, _, _ = binary_infer(stack.url, request, binary)
+    assert status == 400 and message in body["error"], body

@@ -18,6 +18,7 @@ import uvicorn
 from bridge.dataplane import Bridge
 from bridge.server import listen, server_config
 from bridge.errors import BridgeError
+from bridge.http.binary_tensors import values_from_bytes, values_to_bytes
 from bridge.http_json import strict_json, v2_instances
 from bridge.model_info import ModelSignature, read_signature
 from connectors.tensors import TensorError, TensorSpec, dense_array
@@ -172,3 +173,27 @@ def test_predict_failures_are_json_errors_and_counted(
     assert (answer.status, json.loads(answer.read())) == (413, {"error": "request body over the limit of 1024 bytes"})
     connection.close()
     assert responses(bridge) == {500: 1, 413: 1}
+
+
+def test_binary_tensor_values_round_trip_every_datatype() -> None:
+    for array in (np.arange(6, dtype=np.int16), np.array([True, False]), np.array(["a", "", "żółw"], dtype=object),
+                  np.linspace(0, 1, 5, dtype=np.float16)):
+        datatype = "BYTES" if array.dtype.kind == "O" else TensorSpec("x", array.dtype, ()).datatype
+        back = values_from_bytes("x", datatype, values_to_bytes(array))
+        assert back.tolist() == array.tolist()
+
+
+@pytest.mark.parametrize(
+    ("datatype", "chunk", "message"),
+    [
+        ("BOOL", b"\x02", "a BOOL value is one byte, 0 or 1"),
+        ("BYTES", b"\x05\x00\x00\x00ab", "runs past the data"),
+        ("BYTES", b"\x01\x00", "end inside a length prefix"),
+        ("BYTES", b"\x01\x00\x00\x00\xff", "must be UTF-8 text"),
+        ("INT64", b"\x00" * 12, "not a whole number of INT64 values"),
+        ("FP8", b"", "unknown datatype 'FP8'"),
+    ],
+)
+def test_binary_tensor_values_that_do_not_parse_are_refused(datatype: str, chunk: bytes, message: str) -> None:
+    with pytest.raises(BridgeError, match=message):
+        values_from_bytes("x", datatype, chunk)

@@ -21,10 +21,12 @@ from starlette.types import Receive, Scope, Send
 from bridge.errors import (
     InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unauthenticated,
 )
+from bridge.http.binary_tensors import HEADER_LENGTH, BinaryAnswer, send_binary, split_body
 from bridge.http.openapi import documented
 from bridge.http.responses import exception_response, send_json
 from bridge.http_json import json_bytes, strict_json
 
+BINARY_HEADER = HEADER_LENGTH.encode()
 PREDICT_ERRORS = documented(
     InvalidRequest, Unauthenticated, ModelNotFound, TooLarge, RateLimited, InferenceFailed, NotReady, Timeout
 )
@@ -46,9 +48,13 @@ class PredictRoute(APIRoute):
             body = await read_all(receive)  # BodyLimit's TooLarge comes from here
             if body is None:  # the client went away
                 return
-            answer = await self.endpoint(read_body(body, self.body_model), **scope["path_params"])
+            header_length = next((value for key, value in scope["headers"] if key == BINARY_HEADER), None)
+            request = read_request(body, self.body_model, header_length)
+            answer = await self.endpoint(request, **scope["path_params"])
         except Exception as exc:
             return await exception_response(exc, scope)(scope, receive, send)
+        if isinstance(answer, BinaryAnswer):
+            return await send_binary(send, answer)
         await send_json(send, json_bytes(answer))
 
 
@@ -92,6 +98,19 @@ async def read_all(receive: Receive) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def read_request(body: bytes, model: type[BaseModel], header_length: bytes | None) -> BaseModel:
+    """The request body as `model`; with the extension's header, the JSON part as `model` and the
+    binary part on its private `_binary` (only models that declare one take binary data)."""
+    if header_length is None:
+        return read_body(body, model)
+    if "_binary" not in model.__private_attributes__:
+        raise InvalidRequest("this route takes no binary tensor data (Inference-Header-Content-Length)")
+    json_part, binary = split_body(body, header_length.decode("latin-1"))
+    request = read_body(json_part, model)
+    request._binary = binary
+    return request
 
 
 def read_body(body: bytes, model: type[BaseModel]) -> BaseModel:

@@ -9,13 +9,14 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from bridge.dataplane import Bridge
 from bridge.errors import ModelNotFound, NotReady, Unauthenticated
 from bridge.http.fast_path import predict_route
 from bridge.http.openapi import documented, model_path
-from bridge.http_json import v2_instances, v2_outputs
+from bridge.http.binary_tensors import BinaryAnswer, values_to_bytes, with_binary_values
+from bridge.http_json import v2_datatype, v2_instances, v2_json_output, v2_output_arrays
 from bridge.model_info import tensor_metadata
 from connectors.codec import MAX_RANK
 
@@ -27,7 +28,8 @@ class InferTensor(BaseModel):
     name: str
     shape: list[Annotated[int, Field(ge=0, strict=True)]] = Field(max_length=MAX_RANK)
     datatype: str
-    data: list[Any]
+    # Absent for a tensor sent as binary data (parameters.binary_data_size).
+    data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
 
 
@@ -41,6 +43,8 @@ class InferRequest(BaseModel):
     inputs: list[InferTensor] = Field(min_length=1)
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] | None = None
+    # The body's bytes after its JSON part (the binary tensor data extension).
+    _binary: bytes = PrivateAttr(b"")
 
 
 class InferResponse(BaseModel):
@@ -72,18 +76,38 @@ def model_metadata(bridge: Bridge) -> ModelMetadata:
     )
 
 
-async def infer(bridge: Bridge, body: InferRequest) -> dict[str, Any]:
-    """The request's tensors read as instances (one per row of the batch), their results as tensors."""
+async def infer(bridge: Bridge, body: InferRequest) -> dict[str, Any] | BinaryAnswer:
+    """The request's tensors read as instances (one per row of the batch), their results as tensors:
+    JSON values, or binary data where the request asks for it."""
     results = await bridge.predict(lambda: read_inputs(bridge, body))
     wanted = [output.name for output in body.outputs] if body.outputs else None
-    outputs = v2_outputs(results, bridge.signature.batched, wanted)
-    return {"model_name": bridge.model_name, **({"id": body.id} if body.id is not None else {}), "outputs": outputs}
+    arrays = v2_output_arrays(results, bridge.signature.batched, wanted)
+    binary = binary_outputs(body, list(arrays))
+    outputs, chunks = [], []
+    for name, array in arrays.items():
+        if name in binary:
+            chunks.append(values_to_bytes(array))
+            outputs.append({"name": name, "shape": list(array.shape), "datatype": v2_datatype(array),
+                            "parameters": {"binary_data_size": len(chunks[-1])}})
+        else:
+            outputs.append(v2_json_output(name, array))
+    answer = {"model_name": bridge.model_name, **({"id": body.id} if body.id is not None else {}), "outputs": outputs}
+    return BinaryAnswer(answer, chunks) if chunks else answer
+
+
+def binary_outputs(body: InferRequest, names: list[str]) -> set[str]:
+    """The outputs to send as binary data: all with the request's binary_data_output, else those
+    whose requested output says binary_data."""
+    if (body.parameters or {}).get("binary_data_output") is True:
+        return set(names)
+    return {output.name for output in body.outputs or [] if (output.parameters or {}).get("binary_data") is True}
 
 
 def read_inputs(bridge: Bridge, body: InferRequest) -> list[dict[str, np.ndarray]]:
     config = bridge.config
+    inputs = with_binary_values([tensor.model_dump() for tensor in body.inputs], body._binary)
     return v2_instances(
-        [tensor.model_dump() for tensor in body.inputs], bridge.signature,
+        inputs, bridge.signature,
         config.http.max_instances, config.limits.max_instance_bytes,
     )
 
@@ -95,7 +119,7 @@ def register(app: FastAPI, bridge: Bridge) -> None:
 
     @app.get("/v2", responses=documented(Unauthenticated), tags=TAGS)
     async def v2_server() -> dict[str, Any]:
-        return {"name": "cluster-serving", "version": app.version, "extensions": []}
+        return {"name": "cluster-serving", "version": app.version, "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/health/live", tags=TAGS)
     async def live() -> dict[str, bool]:
@@ -120,7 +144,7 @@ def register(app: FastAPI, bridge: Bridge) -> None:
         return {"name": bridge.model_name, "ready": True}
 
     @predict_route(app, "/v2/models/{model_name}/infer", response_model=InferResponse, tags=TAGS)
-    async def v2_infer(body: InferRequest, model_name: str = name) -> dict[str, Any]:
+    async def v2_infer(body: InferRequest, model_name: str = name) -> dict[str, Any] | BinaryAnswer:
         """Open inference protocol: the inputs' first dimension is the batch, split into instances."""
         bridge.check_model(model_name)
         return await infer(bridge, body)
