@@ -17,7 +17,7 @@ from pyflink.datastream import MapFunction, RuntimeContext
 from conf import ModelConfig, PostprocessConfig
 from connectors.codec import Message
 from job.decode import DecodedBatch, error_result
-from job.model import OnnxModel
+from job.model import InvalidInput, OnnxModel
 from job.postprocess import top_n
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,13 @@ def predict(model: OnnxModel, instances: list[Message]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     groups: dict[object, list[tuple[str, Feed]]] = {}
     verdicts: dict[bytes, Exception | None] = {}  # layout -> why it does not fit the model, or None
+    casting: set[bytes] = set()  # layouts whose dtypes the model casts: values checked per request
     for instance in instances:
         key = instance.layout_key
         if key is not None and key in verdicts:
-            if verdicts[key] is not None:
-                outcomes.append(error_result(instance.uri, "invalid input", verdicts[key]))
+            problem = verdicts[key] or (_out_of_range(model, instance.tensors) if key in casting else None)
+            if problem is not None:
+                outcomes.append(error_result(instance.uri, "invalid input", problem))
             else:
                 groups[key].append((instance.uri, instance.tensors))
             continue
@@ -77,10 +79,20 @@ def predict(model: OnnxModel, instances: list[Message]) -> list[Outcome]:
             continue
         if key is not None:
             verdicts[key] = None
+            if model.casts(instance.tensors):
+                casting.add(key)
         groups.setdefault(key if key is not None else signature(feed), []).append((instance.uri, feed))
     for group in groups.values():
         outcomes.extend(_run_group(model, group))
     return outcomes
+
+
+def _out_of_range(model: OnnxModel, tensors: Feed) -> Exception | None:
+    try:
+        model.check_values(tensors)
+    except InvalidInput as exc:
+        return exc
+    return None
 
 
 def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]:

@@ -90,8 +90,20 @@ class OnnxModel:
                 raise InvalidInput(f"input {spec.name!r}: expects strings, got {value.dtype}")
             return value.astype(object)
         if not _castable(value.dtype, spec.dtype):
-            raise InvalidInput(f"input {spec.name!r}: expects {spec.dtype}, got {value.dtype}")
+            raise InvalidInput(f"input {spec.name!r}: expects {spec.dtype}, got {_described(value.dtype)}")
+        _check_range(spec, value)
         return value.astype(spec.dtype, copy=False)
+
+    def casts(self, tensors: dict[str, np.ndarray]) -> bool:
+        """Whether these tensors' dtypes differ from the model's, so their values need checking
+        (`check_values`) per request even when their layout was checked once."""
+        return any(spec.name in tensors and tensors[spec.name].dtype != spec.dtype for spec in self.inputs)
+
+    def check_values(self, tensors: dict[str, np.ndarray]) -> None:
+        """Raises InvalidInput for values the cast to the model's dtypes would change."""
+        for spec in self.inputs:
+            if spec.name in tensors and spec.dtype.kind != "O":
+                _check_range(spec, tensors[spec.name])
 
     def run_stacked(self, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """One run of instances that share a shape signature, stacked along a new first dimension
@@ -123,6 +135,29 @@ def _castable(got: np.dtype, want: np.dtype) -> bool:
     if got.kind == want.kind:
         return True
     return got.kind == "u" and want.kind == "i" and np.can_cast(got, want, casting="safe")
+
+
+def _check_range(spec: TensorSpec, value: np.ndarray) -> None:
+    """A cast within a kind is allowed, but not one that changes a value: int64 2**40 into an int32
+    input would wrap, float64 1e39 into a float32 one would become infinity."""
+    if value.dtype == spec.dtype or value.size == 0:
+        return
+    if spec.dtype.kind in "iu":
+        info = np.iinfo(spec.dtype)
+        fits = info.min <= value.min() and value.max() <= info.max
+    elif spec.dtype.kind == "f" and value.dtype.itemsize > spec.dtype.itemsize:
+        with np.errstate(over="ignore"):
+            fits = bool((np.isfinite(value.astype(spec.dtype)) == np.isfinite(value)).all())
+    else:
+        return
+    if not fits:
+        raise InvalidInput(f"input {spec.name!r}: values outside the range of {spec.dtype}")
+
+
+def _described(dtype: np.dtype) -> str:
+    """A request's dtype as a refusal names it: strings reach the job as numpy object (or unicode)
+    arrays, a dtype the user never wrote."""
+    return "strings" if dtype.kind in "OU" else dtype.name
 
 
 def _check_inputs(configured: tuple[str, ...], actual: list[str]) -> None:

@@ -115,6 +115,14 @@ CORRUPTIONS: dict[str, tuple[Callable[[str], bytes], str]] = {
                                  "invalid input: input 'features': expects float32, got bool"),
     "uint64 for a float32 input": (lambda uri: encode_request(uri, {"features": np.ones(FEATURES, np.uint64)}),
                                    "invalid input: input 'features': expects float32, got uint64"),
+    "int32 for a float32 input, format v1": (
+        lambda uri: encode_message(Message(uri, {"features": np.ones(FEATURES, np.int32)}), version=1),
+        "invalid input: input 'features': expects float32, got int32"),
+    "sparse int64 values for a float32 input": (
+        lambda uri: encode_request(uri, {"features": [np.array([[0, 5]]), np.array([1, 2]), np.array([FEATURES])]}),
+        "invalid input: input 'features': expects float32, got int64"),
+    "text as an image": (lambda uri: encode_request(uri, {"features": EncodedImage(b"plain text, not an image")}),
+                         "invalid input: image 'features' does not decode: not JPEG or PNG"),
 }
 KEYLESS = "no key"
 

@@ -50,6 +50,8 @@ def test_strict_json_refuses_what_json_has_not(constant: str) -> None:
         ([1e999], "int64", "values outside the range of int64"),
         ([1.5], "int32", "expects int32, got fractional values"),
         ([True, False], "float32", "expects float32, got booleans"),
+        ([1, 0], "bool", "expects bool, got numbers"),
+        (["1.5"], "float32", "expects float32 numbers, got strings"),
     ],
 )
 def test_dense_values_out_of_the_dtype_are_refused(value: list, dtype: str | None, message: str) -> None:
@@ -93,6 +95,24 @@ def test_v2_requests_are_checked_before_arrays_are_built(
     with pytest.raises(BridgeError) as refused:
         v2_instances(inputs, signature, max_instances=4, max_instance_bytes=1024)
     assert refused.value.status == status and message in str(refused.value)
+
+
+KINDS = ModelSignature(tuple(TensorSpec(name, np.dtype(dtype), (None, 2)) for name, dtype in
+                             (("f", "float32"), ("i", "int64"), ("u", "uint8"), ("b", "bool"), ("s", "object"))), ())
+
+
+@pytest.mark.parametrize(
+    ("name", "datatype", "data"),
+    [("f", "INT64", [1, 2]), ("f", "BYTES", ["1", "2"]), ("i", "FP32", [1.0, 2.0]), ("i", "BOOL", [True, False]),
+     ("u", "FP64", [1.0, 2.0]), ("b", "INT8", [1, 0]), ("b", "FP32", [1.0, 0.0]), ("s", "INT32", [1, 2])],
+)
+def test_v2_casts_across_kinds_are_refused(name: str, datatype: str, data: list) -> None:
+    """Whatever the values, a datatype of another kind than the input's is refused, in the
+    README's words: the data are not typed as the model's input behind the client's back."""
+    with pytest.raises(BridgeError) as refused:
+        v2_instances([v2([1, 2], data, datatype, name)], KINDS, max_instances=4, max_instance_bytes=1024)
+    assert refused.value.status == 400
+    assert str(refused.value) == f"input {name!r}: expects {KINDS.input(name).datatype}, got {datatype}"
 
 
 def test_v2_casts_within_a_kind_and_takes_nested_data(signature: ModelSignature) -> None:

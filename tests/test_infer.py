@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from connectors.codec import Message
+from connectors.codec import Message, decode_message, encode_message
 from job.infer import as_messages, predict
 from job.model import ModelError, OnnxModel
 from tests.onnx_models import graph_model
@@ -112,13 +112,69 @@ def test_casts_within_a_kind_are_served(kinds_model: OnnxModel, name: str, value
      ("f", np.array([3, 4], np.uint64), "uint64"), ("i", np.array([1.0, 2.0]), "float64"),
      ("i", np.array([3, 4], np.uint64), "uint64"), ("i", np.array([True, False]), "bool"),
      ("b", np.array([1, 0], np.int8), "int8"), ("b", np.array([1.0, 0.0], np.float32), "float32"),
-     ("f", np.array(["1.5", "2"], object), "object")],
+     ("f", np.array(["1.5", "2"], object), "strings")],
 )
 def test_casts_across_kinds_are_refused(kinds_model: OnnxModel, name: str, value: np.ndarray, got: str) -> None:
     """numpy's "same_kind" would take int32, bool and uint64 as float32; the README promises not."""
     result = as_messages(predict(kinds_model, [Message("u", {**GOOD, name: value})]))[0]
     want = GOOD[name].dtype
     assert result.error == f"invalid input: input {name!r}: expects {want}, got {got}"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    ("name", "value", "got"),
+    [("f", np.array([3, 4], np.int32), "int32"), ("i", np.array([1.0, 2.0], np.float32), "float32"),
+     ("b", np.array([1, 0], np.uint8), "uint8")],
+)
+def test_casts_across_kinds_are_refused_in_either_wire_format(
+    kinds_model: OnnxModel, version: int, name: str, value: np.ndarray, got: str
+) -> None:
+    """As enqueue sends them: decoded from the wire, several per batch. Version 2 requests of one
+    layout are checked once for all, so every one of them must get the refusal, and a request of
+    another layout in the same batch its result."""
+    def wire(uri: str, tensors: dict[str, np.ndarray]) -> Message:
+        return decode_message(encode_message(Message(uri, tensors), version=version), 1 << 20)
+
+    batch = [wire(f"bad{i}", {**GOOD, name: value}) for i in range(3)] + [wire("good", GOOD)]
+    assert all((message.layout_key is not None) == (version == 2) for message in batch)
+    results = by_uri(as_messages(predict(kinds_model, batch)))
+    for i in range(3):
+        assert results[f"bad{i}"].error == f"invalid input: input {name!r}: expects {GOOD[name].dtype}, got {got}"
+    assert results["good"].error is None
+
+
+@pytest.fixture(scope="module")
+def narrow_model(tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
+    """A float32 and an int32 input, passed through: the targets of narrowing casts."""
+    inputs = [("f", TensorProto.FLOAT, [2]), ("i", TensorProto.INT32, [2])]
+    nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name, _, _ in inputs]
+    outputs = [(f"{name}_out", kind, shape) for name, kind, shape in inputs]
+    return OnnxModel(graph_model(tmp_path_factory.mktemp("narrow") / "narrow.onnx", inputs, nodes, outputs), "cpu")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    ("name", "fits", "overflows", "want"),
+    [("f", np.array([1.5, 1e38]), np.array([1.5, 1e39]), "float32"),
+     ("i", np.array([3, 2**31 - 1], np.int64), np.array([3, 2**40], np.int64), "int32")],
+)
+def test_casts_within_a_kind_that_would_change_a_value_are_refused(
+    narrow_model: OnnxModel, version: int, name: str, fits: np.ndarray, overflows: np.ndarray, want: str
+) -> None:
+    """float64 1e39 into float32 would be infinity, int64 2**40 into int32 would wrap: refused per
+    request, even among requests of one version 2 layout that was checked once; values that fit
+    are served beside them."""
+    other = {"f": np.zeros(2, np.float32), "i": np.zeros(2, np.int32)}
+
+    def wire(uri: str, value: np.ndarray) -> Message:
+        return decode_message(encode_message(Message(uri, {**other, name: value}), version=version), 1 << 20)
+
+    batch = [wire("fits", fits), wire("overflows", overflows), wire("fits-again", fits)]
+    results = by_uri(as_messages(predict(narrow_model, batch)))
+    assert results["overflows"].error == f"invalid input: input {name!r}: values outside the range of {want}"
+    assert results["fits"].error is None and results["fits-again"].error is None
+    np.testing.assert_array_equal(results["fits"].tensors[f"{name}_out"], fits.astype(want))
 
 
 def test_an_unexpected_exception_preparing_one_request_fails_only_that_request(

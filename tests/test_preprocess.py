@@ -67,6 +67,17 @@ def test_bad_images_are_invalid_input(data: bytes, reason: str) -> None:
         decode_image("i", data, ImageConfig(), 10_000)
 
 
+@pytest.mark.parametrize(
+    "data", [b"plain text, not an image", np.random.default_rng(2).bytes(300), b""], ids=["text", "random", "empty"]
+)
+def test_a_non_image_is_refused_in_a_plain_sentence(data: bytes) -> None:
+    """Pillow's own refusal names its file object (`cannot identify image file <_io.BytesIO object
+    at 0x7f...>`); a user sees what is wrong with the bytes instead."""
+    with pytest.raises(InvalidInput) as refused:
+        decode_image("photo", data, ImageConfig(), 10_000)
+    assert str(refused.value) == "image 'photo' does not decode: not JPEG or PNG"
+
+
 def test_image_over_the_pixel_limit_is_refused_before_decoding() -> None:
     with pytest.raises(InvalidInput, match="8x6 pixels, over the limit of 47"):
         decode_image("i", png(), ImageConfig(), 47)
@@ -118,7 +129,8 @@ def test_any_decoder_exception_is_invalid_input(error: Exception, monkeypatch: p
 
 
 def test_mutated_images_never_raise_anything_else() -> None:
-    """Truncations and byte flips of real PNGs and JPEGs: an array or InvalidInput, every time."""
+    """Truncations and byte flips of real PNGs and JPEGs: an array or InvalidInput, every time, and
+    its message never a Python object's repr."""
     rng = np.random.default_rng(1)
     jpeg = io.BytesIO()
     Image.fromarray(PIXELS).save(jpeg, format="JPEG")
@@ -129,8 +141,8 @@ def test_mutated_images_never_raise_anything_else() -> None:
                 data[position] = rng.integers(0, 256)
             try:
                 decode_image("i", bytes(data), ImageConfig(resize=(4, 4)), 10_000)
-            except InvalidInput:
-                pass
+            except InvalidInput as refused:
+                assert " object at 0x" not in str(refused), refused
 
 
 def test_pillow_limit_agrees_and_its_warning_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

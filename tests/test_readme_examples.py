@@ -1,0 +1,236 @@
+"""Every Python and curl example in README.md, run as written against a running stack: a local
+broker, an embedded job and the HTTP bridge. A user copies these blocks; one that stopped working
+(an undefined name, a missing file, a placeholder, a promise the code no longer keeps) fails here.
+
+Blocks are found by their fence: ```python blocks, and ```bash or ```sh blocks that start with
+`curl`. An HTML comment on the lines just before a fence says more about the block:
+- `<!-- model: FILE -->`: it runs against a job serving FILE, which an earlier block wrote into the
+  working folder (the sample model of `cluster-serving init` otherwise);
+- `<!-- expect-error: MESSAGE -->`: it shows a refusal, so it must print or raise MESSAGE (a curl
+  command: answer another status than 200, with MESSAGE in its error).
+The README's addresses (the default broker, topics and bridge of conf/config.yaml) are replaced by
+the test stack's own before a block runs; Python blocks run in this process, each in a fresh
+namespace, all in one working folder, in README order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shlex
+import subprocess
+import tokenize
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import InputQueue, OutputQueue
+from conf import defaults, load_config
+from ops.processes import PROJECT_ROOT, EmbeddedJob, HttpBridge, LocalBroker, write_run_config
+
+README = PROJECT_ROOT / "README.md"
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")
+MARK = re.compile(r"^\s*<!--\s*(?P<key>[\w-]+)(?::\s*(?P<value>.*?))?\s*-->\s*$")
+CURL_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the README."""
+
+    language: str
+    code: str
+    line: int  # of the opening fence, 1-based
+    marks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def runnable(self) -> bool:
+        return self.language == "python" or (self.language in ("bash", "sh") and self.code.lstrip().startswith("curl"))
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of a markdown text, indented ones (inside list items) included, each with
+    the marks of the comment lines right above its fence."""
+    lines, blocks, at = text.splitlines(), [], 0
+    while at < len(lines):
+        opening = FENCE.match(lines[at])
+        if not opening:
+            at += 1
+            continue
+        indent, end = opening["indent"], at + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        code = "\n".join(line[len(indent):] for line in lines[at + 1:end]) + "\n"
+        blocks.append(Block(opening["language"], code, at + 1, _marks(lines, at)))
+        at = end + 1
+    return blocks
+
+
+def _marks(lines: list[str], fence: int) -> dict[str, str]:
+    marks, above = {}, fence - 1
+    while above >= 0 and (mark := MARK.match(lines[above])):
+        marks[mark["key"]] = mark["value"] or ""
+        above -= 1
+    return marks
+
+
+BLOCKS = [block for block in readme_blocks(README.read_text()) if block.runnable]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Where a job serving one model and its bridge listen: the README's addresses, rewritten."""
+
+    bootstrap: str
+    input_topic: str
+    result_topic: str
+    url: str
+
+    def rewrite(self, code: str) -> str:
+        readme = defaults()
+        replacements = {
+            readme.kafka.bootstrap_servers: self.bootstrap,
+            f"http://{readme.http.host}:{readme.http.port}": self.url,
+            f'"{readme.kafka.input_topic}"': f'"{self.input_topic}"',
+            f'"{readme.kafka.result_topic}"': f'"{self.result_topic}"',
+        }
+        for old, new in replacements.items():
+            code = code.replace(old, new)
+        return code
+
+
+class Stacks:
+    """The stacks the blocks run against, each started when a block first needs it, all on one
+    broker: the sample model's, and one per model named by a `model` mark."""
+
+    def __init__(self, folder: Path, broker: LocalBroker, sample_model: Path):
+        self.folder, self.broker, self.sample_model = folder, broker, sample_model
+        self.started: dict[str, Stack] = {}
+        self.processes: list[EmbeddedJob | HttpBridge] = []
+
+    def for_block(self, block: Block) -> Stack:
+        name = block.marks.get("model", "")
+        if name not in self.started:
+            self.started[name] = self._start(self.folder / name if name else self.sample_model)
+        return self.started[name]
+
+    def _start(self, model: Path) -> Stack:
+        assert model.is_file(), f"no block before this one wrote {model.name}"
+        path = write_run_config(self.folder, model, self.broker.bootstrap_servers, flink={"checkpoint_interval_ms": 1000})
+        config = load_config(path)
+        job = EmbeddedJob(path, config.flink.rest_port, log_path=self.folder / f"job-{model.stem}.log")
+        bridge = HttpBridge(path, log_path=self.folder / f"bridge-{model.stem}.log")
+        self.processes += [bridge, job]  # listed first, so that stop() also ends a half-started stack
+        job.start()
+        bridge.start()
+        kafka = config.kafka
+        return Stack(kafka.bootstrap_servers, kafka.input_topic, kafka.result_topic, bridge.url)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory, broker: LocalBroker, sample_model: Path) -> Iterator[Stacks]:
+    running = Stacks(tmp_path_factory.mktemp("readme"), broker, sample_model)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_the_readme_has_python_and_curl_examples() -> None:
+    languages = {block.language for block in BLOCKS}
+    assert "python" in languages and languages & {"bash", "sh"}, languages
+    assert any("expect-error" in block.marks for block in BLOCKS)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"line-{block.line}-{block.language}" for block in BLOCKS])
+def test_readme_block_runs_as_written(block: Block, stacks: Stacks) -> None:
+    assert not placeholders(block), f"README.md:{block.line} holds a '...' placeholder: {placeholders(block)}"
+    code = stacks.for_block(block).rewrite(block.code)
+    expected = block.marks.get("expect-error")
+    if block.language == "python":
+        run_python(block, code, stacks.folder, expected)
+    else:
+        for command in curl_commands(code):
+            run_curl(block, command, expected)
+
+
+def placeholders(block: Block) -> list[str]:
+    """`...` where a value belongs: Python's Ellipsis and strings that hold it (comments may say
+    "..." in prose), and any curl argument."""
+    if block.language != "python":
+        return [arg for command in curl_commands(block.code) for arg in command if "..." in arg]
+    tokens = tokenize.generate_tokens(io.StringIO(block.code).readline)
+    return [token.string for token in tokens if token.type in (tokenize.OP, tokenize.STRING) and "..." in token.string]
+
+
+def run_python(block: Block, code: str, folder: Path, expected: str | None) -> None:
+    """Runs the block in a fresh namespace; without `expected`, it must raise nothing and leave no
+    result that is missing (None) or an error, printed or bound to a name."""
+    namespace: dict[str, Any] = {"__name__": "__readme__"}
+    printed = io.StringIO()
+    raised: Exception | None = None
+    try:
+        with contextlib.chdir(folder), contextlib.redirect_stdout(printed):
+            exec(compile(code, f"README.md:{block.line}", "exec"), namespace)
+    except Exception as exc:  # the block's own failure: what an expect-error block may show
+        raised = exc
+    finally:
+        close_queues(namespace)
+    output = printed.getvalue()
+    if expected is not None:
+        assert expected in f"{output}\n{raised}", f"README.md:{block.line} should show {expected!r}; printed {output!r}, raised {raised!r}"
+        return
+    if raised is not None:
+        raise raised
+    assert "'error'" not in output, f"README.md:{block.line} printed an error result: {output}"
+    unserved = {name: value for name, value in namespace.items() if not name.startswith("__") and not served(value)}
+    assert not unserved, f"README.md:{block.line} left results missing or failed: {unserved}"
+
+
+def served(value: Any) -> bool:
+    """False for a result that never came (None) or came as an error, also inside {uri: result}."""
+    if value is None:
+        return False
+    if isinstance(value, dict):
+        return "error" not in value and all(served(item) for item in value.values() if isinstance(item, dict))
+    return True
+
+
+def close_queues(namespace: dict[str, Any]) -> None:
+    for value in namespace.values():
+        if isinstance(value, (InputQueue, OutputQueue)):
+            value.close()
+
+
+def curl_commands(code: str) -> list[list[str]]:
+    """Each command line of a shell block as curl's arguments (comments and continuations read
+    as the shell would)."""
+    joined = code.replace("\\\n", " ")
+    return [args for line in joined.splitlines() if (args := shlex.split(line, comments=True))]
+
+
+def run_curl(block: Block, args: list[str], expected: str | None) -> None:
+    """Runs one curl command; it must answer 200 with JSON that is no error, or, with `expected`,
+    another status with an error that says it."""
+    assert args[0] == "curl", f"README.md:{block.line}: only curl commands run here, not {args[0]}"
+    completed = subprocess.run(
+        [*args, "--silent", "--show-error", "--write-out", "\n%{http_code}"],
+        capture_output=True, text=True, timeout=CURL_TIMEOUT_S, check=False,
+    )
+    assert completed.returncode == 0, f"README.md:{block.line}: curl failed: {completed.stderr}"
+    text, _, status = completed.stdout.rpartition("\n")
+    body = json.loads(text)
+    error = body.get("error") if isinstance(body, dict) else None
+    if expected is not None:
+        assert status != "200" and error is not None and expected in error, (status, body)
+    else:
+        assert status == "200" and error is None, f"README.md:{block.line}: {shlex.join(args)} -> {status} {text[:500]}"
