@@ -6,13 +6,14 @@ keyed one a network exchange per request. Waiting requests are operator state, s
 taken while a batch is filling includes them: after a restore they are flushed, never lost with
 the offsets already committed. Each batch reaches Python as one frame (job/frames.py). Every
 parallel instance batches the partitions its source reads; a model and version can join the
-batching later as a map of pending lists.
+batching later as a map of pending lists. The module also holds the other side of a batch's trip
+through Python: the JVM splitter of its results, and the name the Python stages run under.
 """
 
 from __future__ import annotations
 
 from pyflink.common import Types
-from pyflink.datastream import DataStream
+from pyflink.datastream import DataStream, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
 from conf import KAFKA_RECORD_BYTES, BatchingConfig
@@ -35,3 +36,19 @@ def split_results(frames: DataStream, result_type: Types) -> DataStream:
     """One frame of results per batch -> one Row(uri, payload) per result, for the Kafka sink."""
     helper = get_gateway().jvm.clusterserving.flink
     return DataStream(frames._j_data_stream.flatMap(helper.SplitResults(), result_type.get_java_type_info()))
+
+
+def name_python_stages(env: StreamExecutionEnvironment, first_uid: str, name: str, description: str) -> None:
+    """Names the one operator that consecutive Python stages run as. PyFlink fuses them when the
+    job is submitted (no serialization between them) into an operator named after all of them,
+    "decode, infer, encode": a long name that every metric of theirs carries in the web UI, as
+    `0.decode__infer__encode.cluster_serving.batchSize`, cut off in its metric picker. Fusing here,
+    once the whole job is wired, as submitting would (its second pass then finds nothing left to
+    fuse), gives the operator a short name for metrics and the vertex, and the stages in its
+    description, which the web UI shows with the vertex. The fused operator keeps the uid of the
+    first stage (`first_uid`), as with PyFlink's own fusing."""
+    j_env = env._j_stream_execution_environment
+    get_gateway().jvm.org.apache.flink.python.chain.PythonOperatorChainingOptimizer.apply(j_env)
+    fused = next(transformation for transformation in j_env.getTransformations() if transformation.getUid() == first_uid)
+    fused.setName(name)
+    fused.setDescription(description)

@@ -46,7 +46,7 @@ def decode_records(
             if key and len(key) <= MAX_URI_CHARS:
                 rejected.append(error_result(key, "bad request", exc))
             else:
-                log.warning("record without a usable key dropped: %s", _reason(exc))
+                log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), _reason(exc))
                 dropped += 1
             continue
         try:
@@ -65,6 +65,12 @@ def error_result(uri: str, kind: str, exc: Exception) -> Message:
     expected = isinstance(exc, (DecodeError, InvalidInput))
     log.warning("uri=%s %s: %s", uri, kind, _reason(exc), exc_info=not expected)
     return Message(uri=uri, error=f"{kind}: {_reason(exc)}")
+
+
+def _unusable_key(key: str | None) -> str:
+    """A record key that cannot be a result's uri (none, or over MAX_URI_CHARS), as a log line
+    shows it: like a uri, so that one grep for `uri=` finds every request's error, but short."""
+    return repr(key) if not key else f"{key[:64]!r}... ({len(key)} characters)"
 
 
 def _reason(exc: Exception) -> str:

@@ -16,18 +16,21 @@ BROKER_POM=scripts/maven/kafka-broker.pom.xml
 
 log() { echo "[setup] $*"; }
 
-# Maven, quiet: even with -q it writes colour resets; its output is shown only when it fails.
-maven() {
+# Runs a step's command with its output shown only when it fails: pip (setuptools' build warnings)
+# and Maven (colour resets) print even with -q, and a successful step is its one [setup] line.
+quietly() {
   local out
   out=$(mktemp)
-  if ! mvn -q -B "$@" >"$out" 2>&1; then
+  if ! "$@" >"$out" 2>&1; then
     cat "$out" >&2
     rm -f "$out"
-    echo "[setup] error: mvn $* failed (its output is above)" >&2
+    echo "[setup] error: $(basename "$1") ${*:2} failed (its output is above)" >&2
     exit 1
   fi
   rm -f "$out"
 }
+
+maven() { quietly mvn -q -B "$@"; }
 
 need() {
   command -v "$1" >/dev/null 2>&1 || { echo "[setup] error: '$1' not found; $2" >&2; exit 1; }
@@ -47,9 +50,10 @@ fi
 stamp=$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   log "installing the project and its dependencies into .venv (first run: ~2 minutes)"
-  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  # compat mode: a plain path entry, so packages added later import without a reinstall
-  "$VENV/bin/pip" install -q -e ".[test]" --config-settings editable_mode=compat
+  quietly "$VENV/bin/pip" install -q --upgrade pip
+  # A plain path entry to the checkout (pyproject.toml's package-dir), so that packages added
+  # later import without a reinstall.
+  quietly "$VENV/bin/pip" install -q -e ".[test]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi
@@ -73,9 +77,9 @@ if [ ! -f "$helper" ] || [ -n "$(find job/java "$JARS/flink-sql-connector-kafka.
   log "compiling $helper"
   pyflink=$("$VENV/bin/python" -c 'import os, pyflink; print(os.path.dirname(pyflink.__file__))')
   classes=$(mktemp -d)
-  javac -nowarn --release 11 -d "$classes" \
+  quietly javac -nowarn --release 11 -d "$classes" \
     -cp "$pyflink/lib/*:$JARS/flink-sql-connector-kafka.jar" job/java/*.java
-  (cd "$classes" && jar cf "$helper" .)
+  quietly jar cf "$helper" -C "$classes" .
   rm -rf "$classes"
 fi
 log "ready: $VENV, jars in $JARS, Kafka broker in $KAFKA_LIBS"
