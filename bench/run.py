@@ -46,9 +46,10 @@ from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
 from bench.models import BenchModel, bench_models
 from bench.report import json_safe, latency_ms, machine, plural, table, with_ratios
+from ops.cli import OneLineParser
 from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
 from client.queues import InputQueue
-from conf import ServingConfig, defaults, load_config
+from conf import ConfigError, ServingConfig, defaults, load_config
 from connectors.admin import ensure_topics
 from connectors.codec import decode_message
 from connectors.tensors import ONNX_DTYPES
@@ -306,7 +307,7 @@ def client_counts(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     models = bench_models(hidden=DEFAULT_HIDDEN)  # names and per-model defaults only: --hidden is parsed below
-    parser = argparse.ArgumentParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="cluster-serving bench", description=__doc__.splitlines()[0])
     backlogs = ", ".join(f"{m.name} {m.requests}" for m in models.values())
     parser.add_argument("--models", default=",".join(models), help="comma-separated, from: " + ", ".join(models))
     parser.add_argument("--requests", type=int, help=f"size of the backlog drained for capacity (default: {backlogs})")
@@ -375,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="cs-bench-") as name:
             report = run(args, models, Path(name))
-    except RuntimeError as exc:  # a child that did not start or stopped serving, with its log
+    # ConfigError: e.g. --bootstrap where no broker answers; RuntimeError: a child that did not
+    # start or stopped serving, with its log.
+    except (ConfigError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report["settings"] = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}

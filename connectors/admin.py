@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -26,19 +28,42 @@ def client_properties(kafka: KafkaConfig) -> dict[str, str]:
     return {key.replace(".", "_"): value for key, value in kafka.properties.items()}
 
 
-def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
-    """Creates the input and result topics when missing; an unreachable broker is a ConfigError."""
+def unreachable(bootstrap_servers: str, reason: str = "nothing accepts connections there") -> ConfigError:
+    """The one line for a broker that cannot be reached, with what to do about it."""
+    return ConfigError(
+        f"kafka.bootstrap_servers: no Kafka broker reachable at {bootstrap_servers} ({reason}); "
+        "start one (cluster-serving broker, or start --local-broker) or fix the address"
+    )
+
+
+@contextmanager
+def quiet_kafka_logs() -> Iterator[None]:
+    """kafka-python logs every failed connection attempt at ERROR (45-121 lines while a client
+    bootstraps against a dead address); the caller's one error line says it all."""
+    logger = logging.getLogger("kafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
-        admin = KafkaAdminClient(
-            bootstrap_servers=kafka.bootstrap_servers,
-            request_timeout_ms=int(timeout_s * 1000),
-            bootstrap_timeout_ms=int(timeout_s * 1000),
-            **client_properties(kafka),
-        )
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
+    """Creates the input and result topics when missing; an unreachable broker is a ConfigError,
+    found by a TCP probe of about a second before any Kafka client waits `timeout_s` for it."""
+    if not broker_reachable(kafka.bootstrap_servers):
+        raise unreachable(kafka.bootstrap_servers)
+    try:
+        with quiet_kafka_logs():
+            admin = KafkaAdminClient(
+                bootstrap_servers=kafka.bootstrap_servers,
+                request_timeout_ms=int(timeout_s * 1000),
+                bootstrap_timeout_ms=int(timeout_s * 1000),
+                **client_properties(kafka),
+            )
     except KafkaError as exc:
-        raise ConfigError(
-            f"kafka.bootstrap_servers: no Kafka broker reachable at {kafka.bootstrap_servers} ({exc})"
-        ) from None
+        raise unreachable(kafka.bootstrap_servers, str(exc)) from None
     try:
         existing = set(admin.list_topics())
         wanted = [kafka.input_topic, kafka.result_topic]
@@ -67,6 +92,22 @@ def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
         except (OSError, ValueError):
             continue
     return False
+
+
+def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:
+    """True when a Kafka broker, not just any listener, answers at the address: a port in use is
+    a broker to use only if this holds (`start --local-broker` with the port taken)."""
+    try:
+        with quiet_kafka_logs():
+            admin = KafkaAdminClient(
+                bootstrap_servers=bootstrap_servers,
+                request_timeout_ms=int(timeout_s * 1000),
+                bootstrap_timeout_ms=int(timeout_s * 1000),
+            )
+    except KafkaError:
+        return False
+    admin.close()
+    return True
 
 
 def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:

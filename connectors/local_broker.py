@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
+import fcntl
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -39,7 +41,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from conf import KAFKA_RECORD_BYTES
+from conf import KAFKA_RECORD_BYTES, ConfigError
 
 log = logging.getLogger("connectors.local_broker")
 
@@ -103,11 +105,33 @@ def pick_port(host: str = LOOPBACK) -> int:
 
 
 def port_taken(host: str, port: int) -> bool:
-    with socket.socket() as probe:
+    """True when a server could not listen on host:port now. The probe binds as servers do, with
+    SO_REUSEADDR (Kafka's, Flink's and the bridge's sockets set it), so connections still closing
+    on that port (TIME_WAIT) do not count: only a listener or another bound socket does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:
             return True
+    return False
+
+
+def data_in_use(data: Path) -> bool:
+    """True while a broker runs on this data folder. Kafka holds a POSIX lock on `log/.lock` for
+    its life (FileChannel.tryLock); probing that lock, before anything is written or wiped, keeps
+    a second broker (another port, or `--fresh`) from rewriting the running one's folder."""
+    try:
+        handle = (data / "log" / ".lock").open("rb+")
+    except OSError:
+        return False
+    with handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.lockf(handle, fcntl.LOCK_UN)
     return False
 
 
@@ -138,10 +162,19 @@ def write_settings(data: Path, port: int) -> Path:
     return path
 
 
+def find_java() -> str:
+    """The java that PyFlink also launches: $JAVA_HOME/bin/java when JAVA_HOME is set, else the
+    first on PATH. The broker and the embedded Flink both need it, so callers check it first."""
+    home = os.environ.get("JAVA_HOME")
+    java = str(Path(home) / "bin" / "java") if home else shutil.which("java")
+    if not java or not os.access(java, os.X_OK):
+        where = f"JAVA_HOME={home} has no bin/java" if home else "no java on PATH"
+        raise ConfigError(f"java not found ({where}); install a Java 17+ runtime (e.g. openjdk-17-jre) or set JAVA_HOME")
+    return java
+
+
 def java_command(main_class: str, *args: str, data: Path, libs: Path = KAFKA_LIBS) -> list[str]:
-    java = shutil.which("java")
-    if java is None:
-        raise BrokerError("java not found; the local Kafka broker needs a Java 17+ runtime on PATH")
+    java = find_java()
     logging_config = f"-Dlog4j2.configurationFile={data / 'log4j2.properties'}"
     return [java, *JVM_OPTIONS, logging_config, "-cp", f"{libs}/*", main_class, *args]
 
@@ -224,8 +257,11 @@ def create_topics(bootstrap: str, topics: list[tuple[str, int]]) -> None:
 def start(data: Path, port: int, fresh: bool, libs: Path = KAFKA_LIBS) -> subprocess.Popen[bytes]:
     """Starts the broker's JVM (formatting the folder first when new); returns once it serves."""
     version = kafka_version(libs)
+    find_java()
     if port_taken(LOOPBACK, port):
         raise BrokerError(f"{LOOPBACK}:{port} is in use; stop what listens there or pick --port")
+    if data_in_use(data):
+        raise BrokerError(f"{data} is the data folder of a broker that runs now; stop it, or pick another --data")
     if fresh and data.exists():
         shutil.rmtree(data)
         log.info("--fresh: removed %s", data)
@@ -297,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         process = start(data, port, args.fresh)
         create_topics(f"{LOOPBACK}:{port}", args.topic)
-    except BrokerError as exc:
+    except (BrokerError, ConfigError, OSError) as exc:  # OSError: a data folder that cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{READY_PREFIX}{LOOPBACK}:{port} in {time.monotonic() - began:.1f} s (data: {data})", flush=True)

@@ -66,6 +66,23 @@ def onnx_spec(name: str, onnx_type: str, dims: list[Any]) -> TensorSpec:
     return TensorSpec(name, ONNX_DTYPES[onnx_type], shape)
 
 
+def config_mismatch(
+    inputs: list[str], outputs: list[str], configured_inputs: tuple[str, ...] = (),
+    configured_outputs: tuple[str, ...] = (), image_inputs: tuple[str, ...] = (),
+) -> str | None:
+    """Why a model with these input and output names does not fit `model.inputs`, `model.outputs`
+    and `preprocess.images`, or None: the job and the bridge refuse a model alike, in these words."""
+    if configured_inputs and set(configured_inputs) != set(inputs):
+        return f"model.inputs {list(configured_inputs)} do not match the model's inputs {inputs}"
+    missing = sorted(set(configured_outputs) - set(outputs))
+    if missing:
+        return f"model.outputs: the model has no output {missing[0]!r}; it has {outputs}"
+    strangers = [name for name in image_inputs if name not in inputs]
+    if strangers:
+        return f"preprocess.images.{strangers[0]}: the model has no input {strangers[0]!r}; it has {inputs}"
+    return None
+
+
 def stacks(inputs: tuple[TensorSpec, ...] | list[TensorSpec]) -> bool:
     """Instances are stacked into one run only when every input has a free leading dimension;
     otherwise each instance is a whole input and runs alone."""

@@ -28,8 +28,10 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
 
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
-from job.kafka_io import KEYED_BYTES, request_source, result_sink  # noqa: E402
-from job.batch import FRAME, micro_batches, split_results  # noqa: E402
+from connectors.tensors import config_mismatch  # noqa: E402
+from connectors.local_broker import find_java, port_taken  # noqa: E402
+from job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
+from job.batch import FRAME, micro_batches, name_python_stages, split_results  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.infer import InferBatch  # noqa: E402
@@ -109,33 +111,53 @@ def infer_stage(config: ServingConfig) -> MapFunction:
 
 
 def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig, infer: InferStage = infer_stage) -> None:
-    """Wires the stages; each stage is one module of this package."""
+    """Wires the stages; each stage is one module of this package. The operators' short names are
+    what the Flink web UI shows as the job's graph and in its metrics' names
+    (`0.infer.cluster_serving.batchSize`); their descriptions, shown with them, say more."""
+    kafka, batching = config.kafka, config.batching
     requests = env.from_source(
-        request_source(config.kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
+        request_source(kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
+    ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
+    batches = micro_batches(requests, batching).uid("micro-batch-jvm").set_description(
+        f"in the JVM: a batch at {batching.batch_size} requests or {batching.max_delay_ms} ms after its first"
     )
-    batches = micro_batches(requests, config.batching).uid("micro-batch-jvm")
     frames = (
         batches.map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
         .map(infer(config)).name("infer").uid("infer")
         .map(EncodeResults(), output_type=FRAME).name("encode").uid("encode")
     )
-    results = split_results(frames, KEYED_BYTES).name("split results").uid("split-results")
-    results.sink_to(result_sink(config.kafka)).name("kafka-results").uid("kafka-results")
+    results = split_results(frames, KEYED_BYTES).name("split-results").uid("split-results")
+    results.sink_to(result_sink(kafka)).name("kafka-results").uid("kafka-results").set_description(
+        f"Kafka topic {kafka.result_topic}, {kafka.delivery.replace('_', ' ')}"
+    )
+    name_python_stages(
+        env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({config.model.path.name}) -> encode"
+    )
+    drop_committer_gauge_warning()
 
 
 def preflight(config: ServingConfig) -> None:
-    """Fails fast, with one line, on what would otherwise surface as a Java stack trace later."""
+    """Fails fast, with one line, on what would otherwise surface as a Java stack trace later: the
+    embedded cluster's Java and REST port (a taken port was a 50-line BindException after the
+    MiniCluster had started), the model, then the broker (a short TCP probe first, see ensure_topics)."""
     config.check_files()
+    if not submitted_by_flink_cli():
+        find_java()
+        port = config.flink.rest_port
+        if port and port_taken("127.0.0.1", port):
+            raise ConfigError(
+                f"flink.rest_port: 127.0.0.1:{port} is in use; stop what listens there "
+                "(`cluster-serving status` shows a running instance) or set another flink.rest_port"
+            )
     model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs, config.model.threads)
-    inputs = [spec.name for spec in model.inputs]
-    for name in config.preprocess.images:
-        if name not in inputs:
-            raise ConfigError(f"preprocess.images.{name}: the model has no input {name!r}; it has {inputs}")
+    problem = config_mismatch([spec.name for spec in model.inputs], model.output_names, image_inputs=tuple(config.preprocess.images))
+    if problem:
+        raise ConfigError(problem)
+    ensure_topics(config.kafka)
     log.info(
         "model %s: inputs %s, outputs %s, inference on %s",
         config.model.path.name, [spec.name for spec in model.inputs], model.output_names, model.provider,
     )
-    ensure_topics(config.kafka)
 
 
 def prepare_process_environment(config: ServingConfig) -> str:
@@ -249,10 +271,14 @@ def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     try:
         config = load_config(args.config)
         preflight(config)
+        return run(config, args.fresh, infer)
     except (ConfigError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run(config, args.fresh, infer)
+    except KeyboardInterrupt:
+        # Ctrl-C, or `cluster-serving start` stopping its children, while the job was starting
+        # (run() turns signals into a clean stop once the job is submitted): nothing to undo.
+        return 130
 
 
 if __name__ == "__main__":

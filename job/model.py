@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from connectors.tensors import TensorError, TensorSpec, onnx_spec, stacks
+from connectors.tensors import TensorError, TensorSpec, config_mismatch, onnx_spec, stacks
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ class OnnxModel:
         except TensorError as exc:
             raise ModelError(str(exc)) from None
         model_outputs = [node.name for node in self.session.get_outputs()]
-        _check_inputs(inputs, [spec.name for spec in self.inputs])
-        _check_outputs(outputs, model_outputs)
+        problem = config_mismatch([spec.name for spec in self.inputs], model_outputs, inputs, outputs)
+        if problem:
+            raise ModelError(problem)
         self.output_names = list(outputs) or model_outputs
         self.batched = stacks(self.inputs)
 
@@ -158,14 +159,3 @@ def _described(dtype: np.dtype) -> str:
     """A request's dtype as a refusal names it: strings reach the job as numpy object (or unicode)
     arrays, a dtype the user never wrote."""
     return "strings" if dtype.kind in "OU" else dtype.name
-
-
-def _check_inputs(configured: tuple[str, ...], actual: list[str]) -> None:
-    if configured and set(configured) != set(actual):
-        raise ModelError(f"model.inputs {list(configured)} do not match the model's inputs {actual}")
-
-
-def _check_outputs(configured: tuple[str, ...], actual: list[str]) -> None:
-    missing = sorted(set(configured) - set(actual))
-    if missing:
-        raise ModelError(f"model.outputs: the model has no output {missing[0]!r}; it has {actual}")

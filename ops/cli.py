@@ -5,15 +5,20 @@
     cluster-serving start [-c CONFIG] [--local-broker] [--no-http]
                                                the job on an embedded Flink MiniCluster + HTTP bridge
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
-    cluster-serving stop [-c CONFIG]           stops what `start` started (final savepoint first)
+    cluster-serving stop [-c CONFIG]           stops what `start` or `demo` started (final savepoint first)
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
+
+A mistake (a config value, the model, a port in use, another instance in the way, no broker, no
+Java) is one `error: ...` line on stderr and exit code 2, found before anything starts;
+`cluster-serving --verbose ...` adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -21,17 +26,26 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
-from ops.operations import StartRecord, status_lines, stop_started
-from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
+from connectors.local_broker import BrokerError
+from ops.operations import (
+    Instance, broker_address, broker_to_start, check_start, claim, find_instance, live_instances, status_lines,
+    stop_instance,
+)
+from ops.processes import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
 from ops.sample_model import FEATURES, build_sample_model
-from connectors.admin import broker_reachable
+
+# What a user can get wrong, each said in one line (OSError: a folder or file that cannot be written).
+USER_ERRORS = (ConfigError, BrokerError, RuntimeError, OSError)
 
 
 def init_folder(folder: Path) -> Path:
@@ -46,28 +60,13 @@ def init_folder(folder: Path) -> Path:
     return config_path
 
 
-def broker_address(config: ServingConfig) -> tuple[str, int]:
-    """The host and port of a single local bootstrap address; anything else is not ours to start."""
-    host, _, port = config.kafka.bootstrap_servers.rpartition(":")
-    if "," in config.kafka.bootstrap_servers or host not in ("127.0.0.1", "localhost") or not port.isdigit():
-        raise ConfigError(
-            f"kafka.bootstrap_servers: a local broker needs one 127.0.0.1:PORT address, "
-            f"got {config.kafka.bootstrap_servers!r}"
-        )
-    return "127.0.0.1", int(port)
-
-
-def port_in_use(host: str, port: int) -> bool:
-    return broker_reachable(f"{host}:{port}", timeout_s=0.5)
-
-
 def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroker | None:
     """Starts the local Kafka broker on the configured port, its data next to the config file
-    (`kafka/`), unless a broker already listens there."""
-    host, port = broker_address(config)
-    if port_in_use(host, port):
-        print(f"using the Kafka broker already listening on {host}:{port}")
+    (`kafka/`), unless a broker already listens there (check_start made sure it is one)."""
+    if broker_to_start(config) is None:
+        print(f"using the Kafka broker already listening on {config.kafka.bootstrap_servers}")
         return None
+    _, port = broker_address(config)
     broker = LocalBroker(config.folder / "kafka", port=port, log_path=config.folder / "kafka.log", fresh=fresh)
     broker.start()
     print(f"local Kafka broker on {broker.bootstrap_servers} (ready in {broker.ready_seconds:.1f} s; data: {broker.data})")
@@ -75,7 +74,10 @@ def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroke
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    config_path = init_folder(Path(args.folder))
+    folder = Path(args.folder)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file; init writes config.yaml and model.onnx into a folder: name one")
+    config_path = init_folder(folder)
     print(f"wrote {config_path} and {load_config(config_path).model.path}")
     print(f"next: cluster-serving start -c {config_path} --local-broker")
     return 0
@@ -91,47 +93,53 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 def cmd_start(args: argparse.Namespace) -> int:
     """The job and the bridge as two child processes, their output on this terminal; when one
-    ends, or on Ctrl-C / SIGTERM, both are stopped (the job with a final savepoint)."""
+    ends, or on Ctrl-C / SIGTERM, both are stopped (the job with a final savepoint). Another
+    instance in the way, and every check of check_start, refuse before anything starts."""
     config = load_config(args.config)
-    if StartRecord.read(config):
-        raise ConfigError(f"already started for this config (see cluster-serving status -c {args.config or ''})")
-    # The children run in sessions of their own, which a closed terminal does not hang up: they
-    # stop through this process.
-    stop_on(signal.SIGHUP)
-    broker = start_local_broker(config) if args.local_broker else None
-    job = EmbeddedJob(args.config, config.flink.rest_port, fresh=args.fresh, inherit_output=True)
-    children: list[ChildProcess] = [job]
-    if not args.no_http:
-        children.append(HttpBridge(args.config, inherit_output=True))
-
-    def started() -> None:
-        StartRecord(pid=os.getpid(), started_at=time.time(), flink_log_dir=str(config.flink_log_dir)).write(config)
-        print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
-              f"cluster-serving status / stop{' -c ' + args.config if args.config else ''}", flush=True)
-
+    broker_port = broker_address(config)[1] if args.local_broker else None
+    instance = Instance.of("start", config, http=not args.no_http, broker_port=broker_port)
+    held = claim(instance)
+    broker = None
     try:
+        check_start(config, http=not args.no_http, local_broker=args.local_broker)
+        # The children run in sessions of their own, which a closed terminal does not hang up: they
+        # stop through this process.
+        stop_on(signal.SIGHUP)
+        broker = start_local_broker(config) if args.local_broker else None
+        children: list[ChildProcess] = [EmbeddedJob(args.config, config.flink.rest_port, fresh=args.fresh, inherit_output=True)]
+        if not args.no_http:
+            children.append(HttpBridge(args.config, inherit_output=True))
+
+        def started() -> None:
+            print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
+                  f"{instance.command_for('status')} / {instance.command_for('stop')}", flush=True)
+
         return supervise(children, started)
     finally:
         if broker:
             broker.stop()
-        StartRecord.path_for(config).unlink(missing_ok=True)
+        held.release()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    lines, running = status_lines(load_config(args.config))
+    config, instance = find_instance(args.config, "status")
+    lines, running = status_lines(config, instance)
     print("\n".join(lines))
     return 0 if running else 3  # 3: "not running", as service managers' status commands say
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    record = StartRecord.read(config)
-    if record is None:
-        print("nothing to stop: no running `cluster-serving start` for this config")
+    config, instance = find_instance(args.config, "stop")
+    if instance is None:
+        running = "; ".join(f"{other.name}: {other.command_for('stop')}" for other in live_instances())
+        if running:
+            raise ConfigError(f"no instance runs with {config.source}; running: {running}")
+        print("nothing to stop: no `cluster-serving start` or `demo` runs" + (f" with {config.source}" if args.config else ""))
         return 0
-    print(f"stopping pid {record.pid} (job: final savepoint, then stop; bridge) ...")
-    if not stop_started(record, args.timeout):
-        print(f"error: pid {record.pid} still runs after {args.timeout:g} s", file=sys.stderr)
+    print(f"stopping {instance.name}: the job with a final savepoint, then the bridge ...", flush=True)
+    if not stop_instance(instance, args.timeout):
+        print(f"error: pid {instance.pid} still runs after {args.timeout:g} s; wait longer (--timeout) "
+              f"or end it: kill {instance.pid}", file=sys.stderr)
         return 1
     print("stopped")
     return 0
@@ -144,11 +152,24 @@ def cmd_http(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    config_path = init_folder(Path(args.folder))
+    """Refused, before anything is written or started, while another demo runs in the folder or
+    another instance uses its ports (the README's fixed 9092, 8081, 10020)."""
+    folder = Path(args.folder)
+    config_path = init_folder(folder)  # writes only what is missing
     config = load_config(config_path)
+    held = claim(Instance.of("demo", config, http=True, broker_port=broker_address(config)[1]))
+    try:
+        check_start(config, http=True, local_broker=True)
+        return run_demo(config, config_path, folder, args.requests, args.no_wait)
+    finally:
+        held.release()
+
+
+def run_demo(config: ServingConfig, config_path: Path, folder: Path, requests: int, no_wait: bool) -> int:
+    """Broker, job and bridge, sample predictions through the client and the bridge, then serving
+    until Ctrl-C (or at once with `no_wait`); everything started is stopped at the end."""
     # The demo starts from nothing each time: a fresh broker folder, so no retained position applies.
     broker = start_local_broker(config, fresh=True)
-    folder = Path(args.folder)
     job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log", fresh=True)
     bridge = HttpBridge(config_path, log_path=folder / "http.log")
     try:
@@ -157,11 +178,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"job {job.job_id} running; Flink web UI: {job.web_ui}; job log: {job.log_path}")
         bridge.start()
         print(f"HTTP bridge: {bridge.url} (POST /predict, GET /metrics, /v1 and /v2 routes); log: {bridge.log_path}")
-        show_sample_predictions(config, args.requests)
+        show_sample_predictions(config, requests)
         show_http_prediction(bridge.url)
-        if args.no_wait:
+        if no_wait:
             return 0
-        print("serving; press Ctrl-C to stop")
+        print(f"serving; press Ctrl-C to stop (or: cluster-serving stop -c {config_path})")
         while job.running and bridge.running:
             time.sleep(1)
         stopped = job if not job.running else bridge
@@ -213,55 +234,94 @@ def show_http_prediction(url: str) -> None:
     print(f"try: curl -d '{body}' {url}/predict")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage mistake is one `error:` line that says where the help is, like every other mistake,
+    instead of argparse's usage block and a second, prog-prefixed line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, except where there is none to show: a flag (off
+    unless given) or an option whose help says what happens without it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+CONFIG_HELP = "config file; keys it lacks take conf/config.yaml's defaults (default: those defaults, run state in the working folder)"
+FIND_HELP = ("config of the instance (default: the default config's instance in the working folder, "
+             "else the only instance running, `demo` included)")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("cluster-serving")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="cluster-serving", description=__doc__.splitlines()[0])
-    commands = root.add_subparsers(dest="command", required=True)
+    # --verbose is global, and accepted after the command too (SUPPRESS: a command's own default
+    # would otherwise hide one given before it); main() reads it from the raw arguments.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="on an error, print its traceback too")
+    options = {"formatter_class": DefaultsFormatter, "parents": [verbose]}
+    root = OneLineParser(prog="cluster-serving", description=__doc__.split("\n\n")[0], **options)
+    root.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    init = commands.add_parser("init", help="write a starter config.yaml and sample model")
-    init.add_argument("folder", nargs="?", default=".")
-    init.set_defaults(run=cmd_init)
+    def command(name: str, summary: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=summary, **options)
+        sub.set_defaults(run=run)
+        return sub
 
-    broker = commands.add_parser("broker", help="run the local Apache Kafka broker (KRaft, 127.0.0.1)")
-    broker.add_argument("--port", type=int, default=9092, help="port to listen on (default 9092)")
-    broker.add_argument("--data", default="run/kafka", help="data folder, kept across restarts (default run/kafka)")
+    init = command("init", "write a starter config.yaml and sample model", cmd_init)
+    init.add_argument("folder", nargs="?", default=".", help="where config.yaml and model.onnx go; existing files are kept")
+
+    broker = command("broker", "run the local Apache Kafka broker (KRaft, 127.0.0.1)", cmd_broker)
+    broker.add_argument("--port", type=int, default=9092, help="port on 127.0.0.1 to listen on; 0 picks a free one")
+    broker.add_argument("--data", default="run/kafka", help="data folder, kept across restarts")
     broker.add_argument("--fresh", action="store_true", help="wipe the data folder first")
-    broker.add_argument("--topic", action="append", default=[], metavar="NAME:PARTITIONS")
-    broker.set_defaults(run=cmd_broker)
+    broker.add_argument("--topic", action="append", default=[], metavar="NAME:PARTITIONS",
+                        help="a topic to create when missing; repeatable (default: none)")
 
-    start = commands.add_parser("start", help="run the job on an embedded Flink MiniCluster")
-    start.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    start.add_argument("--local-broker", action="store_true", help="also start the local Kafka broker (data in kafka/ next to the config)")
+    start = command("start", "run the job on an embedded Flink MiniCluster, and the HTTP bridge", cmd_start)
+    start.add_argument("--config", "-c", help=CONFIG_HELP)
+    start.add_argument("--local-broker", action="store_true",
+                       help="also run the local Kafka broker on kafka.bootstrap_servers' port, its data in kafka/ "
+                            "next to the config (a broker already listening there is used instead)")
     start.add_argument("--no-http", action="store_true", help="do not start the HTTP bridge")
-    start.add_argument("--fresh", action="store_true", help="ignore retained checkpoints and savepoints")
-    start.set_defaults(run=cmd_start)
+    start.add_argument("--fresh", action="store_true",
+                       help="start from the group's committed offsets, not from the newest retained checkpoint or savepoint")
 
-    status = commands.add_parser("status", help="the job's state, input lag, throughput, web UI address")
-    status.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    status.set_defaults(run=cmd_status)
+    status = command("status", "the job's state, input lag, throughput, web UI address", cmd_status)
+    status.add_argument("--config", "-c", help=FIND_HELP)
 
-    stop = commands.add_parser("stop", help="stop what `start` started, with a final savepoint")
-    stop.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
-    stop.set_defaults(run=cmd_stop)
+    stop = command("stop", "stop what `start` or `demo` started, the job with a final savepoint", cmd_stop)
+    stop.add_argument("--config", "-c", help=FIND_HELP)
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
 
-    http = commands.add_parser("http", help="run the HTTP bridge alone")
-    http.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    http.set_defaults(run=cmd_http)
+    http = command("http", "run the HTTP bridge alone (for a job running elsewhere)", cmd_http)
+    http.add_argument("--config", "-c", help=CONFIG_HELP)
 
-    demo = commands.add_parser("demo", help="broker + job + sample requests with printed predictions")
-    demo.add_argument("--folder", default="run/demo", help="where the demo's config and model go")
-    demo.add_argument("--requests", type=int, default=8)
+    demo = command("demo", "broker + job + sample requests with printed predictions", cmd_demo)
+    demo.add_argument("--folder", default="run/demo", help="where the demo's config, model, logs and broker data go")
+    demo.add_argument("--requests", type=int, default=8, help="sample requests sent through the client library")
     demo.add_argument("--no-wait", action="store_true", help="stop after printing the predictions")
-    demo.set_defaults(run=cmd_demo)
 
     # Listed for --help only: main() hands `bench ...` to bench.run with all its options.
-    commands.add_parser("bench", help="end-to-end benchmark (cluster-serving bench --help)")
+    commands.add_parser("bench", help="end-to-end benchmark; its options: cluster-serving bench --help")
     return root
 
 
 def stop_on(*signums: signal.Signals) -> None:
-    """These signals (SIGTERM: a supervisor, `timeout`, `kill`) unwind like Ctrl-C, so what we
-    started stops too."""
+    """These signals (SIGTERM: a supervisor, `timeout`, `kill`, `cluster-serving stop`) unwind like
+    Ctrl-C, so what we started stops too."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -278,17 +338,34 @@ def run_external(module: str, argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, *argv])
 
 
+def error_line(exc: BaseException) -> str:
+    """The one line an error is: a child's summary rather than its log, an OS error's file and reason."""
+    if isinstance(exc, ChildFailed):
+        return exc.summary
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on(signal.SIGTERM)
     argv = sys.argv[1:] if argv is None else argv
+    verbose = "--verbose" in argv
+    command = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
     try:
-        if argv[:1] == ["bench"]:
-            run_external("bench.run", argv[1:])
+        if argv[command:command + 1] == ["bench"]:
+            run_external("bench.run", argv[command + 1:])
         args = parser().parse_args(argv)
         return args.run(args)
-    except (ConfigError, RuntimeError) as exc:  # RuntimeError: a child that did not start, with its log
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if verbose:
+            traceback.print_exception(exc)
+        known = isinstance(exc, USER_ERRORS)
+        hint = "" if known or verbose else f" ({type(exc).__name__}; cluster-serving --verbose shows where)"
+        print(f"error: {error_line(exc)}{hint}", file=sys.stderr)
+        return 2 if known else 1
 
 
 if __name__ == "__main__":

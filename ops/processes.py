@@ -83,6 +83,24 @@ def pids_naming(directory: Path) -> list[int]:
     return pids
 
 
+def listener_of(port: int) -> str:
+    """Who listens on a TCP port, as an error line names it: `pid 4242 (python -m job.main
+    --config ...)`; "" when nothing does or its owner cannot be seen (another user's process)."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return ""
+    for connection in connections:
+        if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port and connection.pid:
+            try:
+                command = " ".join(" ".join(psutil.Process(connection.pid).cmdline()).split())  # one line
+            except psutil.Error:
+                command = "?"
+            shown = command if len(command) <= 100 else command[:97] + "..."
+            return f"pid {connection.pid} ({shown})"
+    return ""
+
+
 _PORTS_HANDED_OUT: set[int] = set()
 
 
@@ -139,6 +157,15 @@ def write_run_config(folder: Path, model_path: Path, bootstrap: str, **sections:
     path = folder / f"config-{run_id}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+class ChildFailed(RuntimeError):
+    """A child that exited or did not get ready: `summary` is one line for users; the message adds
+    the tail of the child's log, for tests and the benchmark."""
+
+    def __init__(self, summary: str, log_tail: str):
+        super().__init__(f"{summary}:\n{log_tail}")
+        self.summary = summary
 
 
 class ChildProcess:
@@ -198,9 +225,17 @@ class ChildProcess:
             if match:
                 return match
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise self._failed(f"exited with {self.process.returncode}")
             time.sleep(0.1)
-        raise RuntimeError(f"{self.module} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+        raise self._failed(f"not ready after {timeout:.0f} s")
+
+    def _failed(self, what: str) -> ChildFailed:
+        """The child's own `error:` line, when it wrote one, says why; a log of our choosing is
+        named (a temporary one is gone by the time a user reads the line)."""
+        reason = next((line[len("error: "):] for line in reversed(self.log_text().splitlines())
+                       if line.startswith("error: ")), "")
+        where = "" if self._owns_log else f" (log: {self.log_path})"
+        return ChildFailed(f"{self.module} {what}{': ' + reason if reason else ''}{where}", self.log_tail())
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
