@@ -27,7 +27,8 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.report import percentiles
 from bench.run import ResultReader, enqueue_all, raw_onnxruntime
-from ops.processes import EmbeddedJob, LocalBroker, free_port, group_rss_mb, write_run_config
+from ops.children import EmbeddedJob, LocalBroker
+from ops.processes import free_port, group_rss_mb, write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES, IR_VERSION, OPSET
 from connectors.admin import LagProbe, ensure_topics

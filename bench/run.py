@@ -47,7 +47,8 @@ from bench.http_load import http_load, http_protocol, predict_requests
 from bench.models import BenchModel, bench_models
 from bench.report import json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.cli import OneLineParser
-from ops.processes import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
+from ops.processes import free_port, write_run_config
 from client.queues import InputQueue
 from conf import ConfigError, ServingConfig, defaults, load_config
 from connectors.admin import ensure_topics

@@ -37,11 +37,9 @@ import numpy as np
 from client.queues import InputQueue, OutputQueue
 from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
 from connectors.local_broker import BrokerError
-from ops.operations import (
-    Instance, broker_address, broker_to_start, check_start, claim, find_instance, live_instances, status_lines,
-    stop_instance,
-)
-from ops.processes import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
+from ops.instances import Instance, claim, find_instance, live_instances, stop_instance
+from ops.operations import broker_address, broker_to_start, check_start, status_lines
+from ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
 from ops.sample_model import FEATURES, build_sample_model
 
 # What a user can get wrong, each said in one line (OSError: a folder or file that cannot be written).

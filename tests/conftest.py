@@ -15,7 +15,8 @@ import onnxruntime as ort
 import pytest
 
 from client import InputQueue, OutputQueue
-from ops.processes import EmbeddedJob, LocalBroker, free_port, write_run_config
+from ops.children import EmbeddedJob, LocalBroker
+from ops.processes import free_port, write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES, build_sample_model
 

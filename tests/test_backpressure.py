@@ -12,7 +12,8 @@ import pytest
 
 from bench.backpressure import raw_capacity, run, slow_model
 from client import InputQueue, OutputQueue, QueueFullError
-from ops.processes import EmbeddedJob, write_run_config
+from ops.children import EmbeddedJob
+from ops.processes import write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
 

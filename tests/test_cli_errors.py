@@ -26,8 +26,9 @@ import yaml
 
 from conf import load_config
 from ops.cli import init_folder
-from ops.operations import REGISTRY_ENV
-from ops.processes import PROJECT_ROOT, LocalBroker, free_port, pids_naming, write_run_config
+from ops.instances import REGISTRY_ENV
+from ops.children import LocalBroker
+from ops.processes import PROJECT_ROOT, free_port, pids_naming, write_run_config
 
 # A bound on a hang, not a speed benchmark: every cause below is local (a probe of a dead address
 # included); the rows take about 1 s each, 3 s where a listener is asked whether it speaks Kafka.
@@ -36,7 +37,7 @@ CLI = ("-m", "ops.cli")
 HOLDER = """
 import sys, time
 from conf import load_config
-from ops.operations import Instance, claim
+from ops.instances import Instance, claim
 broker_port = int(sys.argv[3]) if len(sys.argv) > 3 else None
 claim(Instance.of(sys.argv[2], load_config(sys.argv[1]), http=True, broker_port=broker_port))
 print("held", flush=True)

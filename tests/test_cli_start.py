@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ops.operations import RECORD_FILE, REGISTRY_ENV
+from ops.instances import RECORD_FILE, REGISTRY_ENV
 from ops.processes import PROJECT_ROOT
 from ops.sample_model import FEATURES
 from tests.conftest import http_call

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from connectors.local_broker import port_taken
-from ops.operations import RECORD_FILE, REGISTRY_ENV
+from ops.instances import RECORD_FILE, REGISTRY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,8 @@ from PIL import Image
 
 from client import OutputQueue
 from connectors.inputs import encode_request
-from ops.processes import EmbeddedJob, group_rss_mb
+from ops.children import EmbeddedJob
+from ops.processes import group_rss_mb
 from ops.sample_model import FEATURES
 from connectors.codec import EncodedImage, Message, SparseTensor, encode_message
 from tests.arrow_streams import one_batch_stream

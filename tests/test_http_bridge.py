@@ -26,7 +26,8 @@ import yaml
 
 from client import InputQueue, PredictError
 from bridge.server import listen
-from ops.processes import EmbeddedJob, HttpBridge, LocalBroker, free_port, write_run_config
+from ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from ops.processes import free_port, write_run_config
 from conf import load_config
 from ops.sample_model import FEATURES
 from tests.conftest import http_call

@@ -16,7 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from ops.processes import EmbeddedJob, HttpBridge, write_run_config
+from ops.children import EmbeddedJob, HttpBridge
+from ops.processes import write_run_config
 from conf import load_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model

@@ -18,7 +18,8 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
-from ops.processes import LocalBroker, free_port, process_group_members
+from ops.children import LocalBroker
+from ops.processes import free_port, process_group_members
 from connectors.local_broker import port_taken
 from tests.test_end_to_end import listening_addresses
 

@@ -31,7 +31,8 @@ import pytest
 
 from client import InputQueue, OutputQueue
 from conf import defaults, load_config
-from ops.processes import PROJECT_ROOT, EmbeddedJob, HttpBridge, LocalBroker, write_run_config
+from ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from ops.processes import PROJECT_ROOT, write_run_config
 
 README = PROJECT_ROOT / "README.md"
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")

@@ -20,7 +20,8 @@ import onnxruntime as ort
 from kafka import KafkaConsumer, TopicPartition
 
 from client import InputQueue, OutputQueue
-from ops.processes import EmbeddedJob, write_run_config
+from ops.children import EmbeddedJob
+from ops.processes import write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
 from connectors.admin import records_written

@@ -12,7 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
-from ops.processes import HttpBridge, free_port
+from ops.children import HttpBridge
+from ops.processes import free_port
 from ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.flink_cluster import StandaloneCluster
-from ops.processes import HttpBridge, free_port
+from ops.children import HttpBridge
+from ops.processes import free_port
 from ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
