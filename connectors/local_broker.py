@@ -17,7 +17,7 @@ Run it in the foreground::
 
     python -m connectors.local_broker --port 9092 --topic requests:3
 
-or from Python, as a separate process, with ``ops.processes.LocalBroker``.
+or from Python, as a separate process, with ``ops.children.LocalBroker``.
 """
 
 from __future__ import annotations
