@@ -20,27 +20,22 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
 import signal
 import sys
-import time
 import traceback
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-import numpy as np
-
-from client.queues import InputQueue, OutputQueue
-from conf import DEFAULT_CONFIG_PATH, ConfigError, ServingConfig, load_config
+from conf import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from connectors.local_broker import BrokerError
 from ops.instances import Instance, claim, find_instance, live_instances, stop_instance
-from ops.operations import broker_address, broker_to_start, check_start, status_lines
-from ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, LocalBroker, supervise
-from ops.sample_model import FEATURES, build_sample_model
+from ops.demo import run_demo
+from ops.operations import broker_address, check_start, start_local_broker, status_lines
+from ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
+from ops.sample_model import build_sample_model
 
 # What a user can get wrong, each said in one line (OSError: a folder or file that cannot be written).
 USER_ERRORS = (ConfigError, BrokerError, RuntimeError, OSError)
@@ -56,19 +51,6 @@ def init_folder(folder: Path) -> Path:
     if not model_path.exists():
         build_sample_model(model_path)
     return config_path
-
-
-def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroker | None:
-    """Starts the local Kafka broker on the configured port, its data next to the config file
-    (`kafka/`), unless a broker already listens there (check_start made sure it is one)."""
-    if broker_to_start(config) is None:
-        print(f"using the Kafka broker already listening on {config.kafka.bootstrap_servers}")
-        return None
-    _, port = broker_address(config)
-    broker = LocalBroker(config.folder / "kafka", port=port, log_path=config.folder / "kafka.log", fresh=fresh)
-    broker.start()
-    print(f"local Kafka broker on {broker.bootstrap_servers} (ready in {broker.ready_seconds:.1f} s; data: {broker.data})")
-    return broker
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -161,75 +143,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_demo(config, config_path, folder, args.requests, args.no_wait)
     finally:
         held.release()
-
-
-def run_demo(config: ServingConfig, config_path: Path, folder: Path, requests: int, no_wait: bool) -> int:
-    """Broker, job and bridge, sample predictions through the client and the bridge, then serving
-    until Ctrl-C (or at once with `no_wait`); everything started is stopped at the end."""
-    # The demo starts from nothing each time: a fresh broker folder, so no retained position applies.
-    broker = start_local_broker(config, fresh=True)
-    job = EmbeddedJob(config_path, config.flink.rest_port, log_path=folder / "job.log", fresh=True)
-    bridge = HttpBridge(config_path, log_path=folder / "http.log")
-    try:
-        print("starting the serving job on an embedded Flink MiniCluster ...")
-        job.start()
-        print(f"job {job.job_id} running; Flink web UI: {job.web_ui}; job log: {job.log_path}")
-        bridge.start()
-        print(f"HTTP bridge: {bridge.url} (POST /predict, GET /metrics, /v1 and /v2 routes); log: {bridge.log_path}")
-        show_sample_predictions(config, requests)
-        show_http_prediction(bridge.url)
-        if no_wait:
-            return 0
-        print(f"serving; press Ctrl-C to stop (or: cluster-serving stop -c {config_path})")
-        while job.running and bridge.running:
-            time.sleep(1)
-        stopped = job if not job.running else bridge
-        print(f"{stopped.module} stopped on its own; its log:\n" + stopped.log_tail())
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        print("stopping ...")
-        bridge.stop()
-        job.stop()
-        if broker:
-            broker.stop()
-
-
-def show_sample_predictions(config: ServingConfig, count: int) -> None:
-    """Enqueues `count` random feature vectors through the client library and prints the answers."""
-    kafka = config.kafka
-    rng = np.random.default_rng()
-    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
-        kafka.bootstrap_servers, kafka.result_topic, group_id=f"demo-{time.time_ns()}"
-    ) as outputs:
-        uris = [f"demo-{i}" for i in range(count)]
-        for uri in uris:
-            inputs.enqueue(uri, features=rng.normal(size=FEATURES).astype(np.float32))
-        inputs.flush()
-        print(f"enqueued {count} requests to {kafka.input_topic}")
-        for uri in uris:
-            result = outputs.query(uri, timeout=30)
-            if result is None:
-                print(f"{uri}: no result within 30 s")
-            elif "error" in result:
-                print(f"{uri}: error: {result['error']}")
-            else:
-                probabilities = next(iter(result.values()))
-                top = int(np.argmax(probabilities))
-                print(f"{uri}: class {top} (p={probabilities[top]:.3f})")
-
-
-def show_http_prediction(url: str) -> None:
-    """One request through the HTTP bridge, and the curl line that does the same."""
-    features = np.round(np.random.default_rng().normal(size=FEATURES), 3).tolist()
-    body = json.dumps({"instances": [{"features": features}]})
-    request = urllib.request.Request(f"{url}/predict", data=body.encode(), method="POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        probabilities = json.load(response)["predictions"][0]
-    top = int(np.argmax(probabilities))
-    print(f"POST {url}/predict: class {top} (p={probabilities[top]:.3f})")
-    print(f"try: curl -d '{body}' {url}/predict")
 
 
 class OneLineParser(argparse.ArgumentParser):

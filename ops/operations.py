@@ -17,6 +17,7 @@ from connectors.admin import (
 )
 from connectors.flink_rest import FlinkRest, FlinkRestError
 from connectors.local_broker import find_java, kafka_version, port_taken
+from ops.children import LocalBroker
 from ops.instances import Instance, live_instances
 from ops.processes import listener_of
 
@@ -157,3 +158,16 @@ def status_lines(config: ServingConfig, instance: Instance | None) -> tuple[list
     lines.append(f"HTTP bridge: {bridge_state(config)}")
     lines.append(f"Flink log: {instance.flink_log_dir if instance else config.flink_log_dir}")
     return lines, running
+
+
+def start_local_broker(config: ServingConfig, fresh: bool = False) -> LocalBroker | None:
+    """Starts the local Kafka broker on the configured port, its data next to the config file
+    (`kafka/`), unless a broker already listens there (check_start made sure it is one)."""
+    if broker_to_start(config) is None:
+        print(f"using the Kafka broker already listening on {config.kafka.bootstrap_servers}")
+        return None
+    _, port = broker_address(config)
+    broker = LocalBroker(config.folder / "kafka", port=port, log_path=config.folder / "kafka.log", fresh=fresh)
+    broker.start()
+    print(f"local Kafka broker on {broker.bootstrap_servers} (ready in {broker.ready_seconds:.1f} s; data: {broker.data})")
+    return broker
