@@ -25,7 +25,7 @@ from bridge.errors import (
 )
 from bridge.metrics import BridgeMetrics
 from connectors.inputs import encode_request
-from bridge.model_info import read_signature
+from bridge.model_info import model_signature
 from connectors.flink_rest import FlinkRest
 from bridge.result_waiter import ResultWaiter
 from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
@@ -62,7 +62,7 @@ class Bridge:
     def __init__(self, config: ServingConfig):
         self.config = config
         self.model_name = config.model.name
-        self.signature = read_signature(config.model.path, config.model.outputs)
+        self.signature = model_signature(config)
         self.image_inputs = frozenset(config.preprocess.images)
         self.metrics = BridgeMetrics()
         self.token = bearer_token(config.http.token_env)

@@ -20,7 +20,6 @@ from http import HTTPStatus
 
 import httptools
 import uvicorn
-from google.protobuf.message import DecodeError
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from bridge.dataplane import Bridge
@@ -28,9 +27,7 @@ from bridge.errors import InvalidRequest
 from bridge.http.app import create_app
 from bridge.http_json import json_bytes
 from bridge.metrics import BridgeMetrics
-from bridge.model_info import ModelSignature, read_signature
-from conf import ConfigError, ServingConfig, load_config
-from connectors.tensors import TensorError, config_mismatch
+from conf import ConfigError, load_config
 
 log = logging.getLogger("cluster_serving.bridge")
 READY_LINE = "http bridge listening on "
@@ -68,40 +65,14 @@ def serve(config_path: str | None) -> int:
     logging.getLogger("kafka").setLevel(logging.WARNING)
     try:
         config = load_config(config_path)
-        model_signature(config)
+        bridge = Bridge(config)  # reads and checks the model first
         listener = listen(config.http.host, config.http.port)
-        return asyncio.run(run_bridge(Bridge(config), listener))
+        return asyncio.run(run_bridge(bridge, listener))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # stopped before it listened (run_bridge handles signals after)
         return 130
-
-
-def model_signature(config: ServingConfig) -> ModelSignature:
-    """The model's signature, checked against the config as the job checks it: a missing file,
-    one that is not ONNX, `model.inputs` or `model.outputs` the model lacks, or image settings for
-    an input it lacks are one ConfigError here, before anything starts (the CLI calls this too)."""
-    path = config.model.path
-    if not path.is_file():
-        raise ConfigError(f"model.path: model file not found: {path}")
-    try:
-        signature = read_signature(path)
-    except DecodeError as exc:
-        raise ConfigError(f"model.path: cannot load model {path}: not an ONNX model ({exc})") from None
-    except OSError as exc:
-        raise ConfigError(f"model.path: cannot load model {path}: {exc.strerror or exc}") from None
-    except TensorError as exc:
-        raise ConfigError(f"model.path: cannot load model {path}: {exc}") from None
-    if not signature.inputs or not signature.outputs:
-        raise ConfigError(f"model.path: cannot load model {path}: not an ONNX model (no graph inputs or outputs)")
-    problem = config_mismatch(
-        [spec.name for spec in signature.inputs], [spec.name for spec in signature.outputs],
-        config.model.inputs, config.model.outputs, tuple(config.preprocess.images),
-    )
-    if problem:
-        raise ConfigError(problem)
-    return signature
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from bridge.server import model_signature
+from bridge.model_info import model_signature
 from conf import JOB_NAME, ConfigError, ServingConfig
 from connectors.admin import (
     broker_reachable, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
