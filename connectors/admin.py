@@ -49,19 +49,25 @@ def quiet_kafka_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def quiet_admin_client(bootstrap_servers: str, timeout_s: float, **properties: Any) -> KafkaAdminClient:
+    """An admin client that gives up after `timeout_s` (KafkaError), without kafka-python's lines
+    about each failed connection attempt."""
+    with quiet_kafka_logs():
+        return KafkaAdminClient(
+            bootstrap_servers=bootstrap_servers,
+            request_timeout_ms=int(timeout_s * 1000),
+            bootstrap_timeout_ms=int(timeout_s * 1000),
+            **properties,
+        )
+
+
 def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
     """Creates the input and result topics when missing; an unreachable broker is a ConfigError,
     found by a TCP probe of about a second before any Kafka client waits `timeout_s` for it."""
     if not broker_reachable(kafka.bootstrap_servers):
         raise unreachable(kafka.bootstrap_servers)
     try:
-        with quiet_kafka_logs():
-            admin = KafkaAdminClient(
-                bootstrap_servers=kafka.bootstrap_servers,
-                request_timeout_ms=int(timeout_s * 1000),
-                bootstrap_timeout_ms=int(timeout_s * 1000),
-                **client_properties(kafka),
-            )
+        admin = quiet_admin_client(kafka.bootstrap_servers, timeout_s, **client_properties(kafka))
     except KafkaError as exc:
         raise unreachable(kafka.bootstrap_servers, str(exc)) from None
     try:
@@ -98,12 +104,7 @@ def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:
     """True when a Kafka broker, not just any listener, answers at the address: a port in use is
     a broker to use only if this holds (`start --local-broker` with the port taken)."""
     try:
-        with quiet_kafka_logs():
-            admin = KafkaAdminClient(
-                bootstrap_servers=bootstrap_servers,
-                request_timeout_ms=int(timeout_s * 1000),
-                bootstrap_timeout_ms=int(timeout_s * 1000),
-            )
+        admin = quiet_admin_client(bootstrap_servers, timeout_s)
     except KafkaError:
         return False
     admin.close()
