@@ -133,9 +133,21 @@ def _typed(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
         raise TensorError(f"input {name!r}: expects {dtype.name}, got {'booleans' if got == 'b' else 'numbers'}")
     if got == "f" and dtype.kind in "iu" and (array != np.round(array)).any():
         raise TensorError(f"input {name!r}: expects {dtype.name}, got fractional values")
-    if dtype.kind in "iu" and array.size:
-        info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
-            raise TensorError(f"input {name!r}: values outside the range of {dtype.name}")
+    if dtype.kind in "iu" and cast_changes_values(array, dtype):
+        raise TensorError(f"input {name!r}: values outside the range of {dtype.name}")
     with np.errstate(over="ignore"):  # a float overflow becomes inf, which the caller refuses from JSON
         return array.astype(dtype)
+
+
+def cast_changes_values(array: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether casting `array` to `dtype` would change a value: a number outside an integer dtype's
+    range (it would wrap), or a finite float that a narrower float dtype makes infinite."""
+    if array.size == 0 or array.dtype == dtype:
+        return False
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return bool(array.min() < info.min or array.max() > info.max)
+    if dtype.kind == "f" and array.dtype.kind == "f" and array.dtype.itemsize > dtype.itemsize:
+        with np.errstate(over="ignore"):
+            return bool((np.isfinite(array.astype(dtype)) != np.isfinite(array)).any())
+    return False

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from connectors.tensors import TensorError, TensorSpec, config_mismatch, onnx_spec, stacks
+from connectors.tensors import TensorError, TensorSpec, cast_changes_values, config_mismatch, onnx_spec, stacks
 
 log = logging.getLogger(__name__)
 
@@ -141,17 +141,7 @@ def _castable(got: np.dtype, want: np.dtype) -> bool:
 def _check_range(spec: TensorSpec, value: np.ndarray) -> None:
     """A cast within a kind is allowed, but not one that changes a value: int64 2**40 into an int32
     input would wrap, float64 1e39 into a float32 one would become infinity."""
-    if value.dtype == spec.dtype or value.size == 0:
-        return
-    if spec.dtype.kind in "iu":
-        info = np.iinfo(spec.dtype)
-        fits = info.min <= value.min() and value.max() <= info.max
-    elif spec.dtype.kind == "f" and value.dtype.itemsize > spec.dtype.itemsize:
-        with np.errstate(over="ignore"):
-            fits = bool((np.isfinite(value.astype(spec.dtype)) == np.isfinite(value)).all())
-    else:
-        return
-    if not fits:
+    if cast_changes_values(value, spec.dtype):
         raise InvalidInput(f"input {spec.name!r}: values outside the range of {spec.dtype}")
 
 
