@@ -1,6 +1,6 @@
 """How a micro-batch crosses between the JVM and the Python operator: one bytes object per batch.
 
-The JVM batches requests (job/java/MicroBatcher.java) and hands Python one frame per batch;
+The JVM batches requests (job/java/MicroBatchOperator.java) and hands Python one frame per batch;
 Python answers with one frame of results, split again into Kafka records in the JVM
 (SplitResults.java). A Python call per batch instead of per request is most of the job's speed.
 Layout (BatchFrames.java writes and reads the same): little-endian uint32 count, then per record a
