@@ -31,7 +31,7 @@ from typing import NoReturn
 
 from conf import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from connectors.local_broker import BrokerError
-from ops.instances import Instance, claim, find_instance, live_instances, stop_instance
+from ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from ops.demo import run_demo
 from ops.operations import broker_address, check_start, start_local_broker, status_lines
 from ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
@@ -111,7 +111,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_stop(args: argparse.Namespace) -> int:
     config, instance = find_instance(args.config, "stop")
     if instance is None:
-        running = "; ".join(f"{other.name}: {other.command_for('stop')}" for other in live_instances())
+        running = commands_for("stop")
         if running:
             raise ConfigError(f"no instance runs with {config.source}; running: {running}")
         print("nothing to stop: no `cluster-serving start` or `demo` runs" + (f" with {config.source}" if args.config else ""))

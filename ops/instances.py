@@ -218,6 +218,13 @@ def recorded(config: ServingConfig) -> Instance | None:
     return instance if instance and instance.config == str(config.source or "") else None
 
 
+def commands_for(verb: str, instances: list[Instance] | None = None) -> str:
+    """`name: cluster-serving VERB -c CONFIG` for each (by default every live) instance, as error
+    and status lines list them; "" for none."""
+    running = live_instances() if instances is None else instances
+    return "; ".join(f"{other.name}: {other.command_for(verb)}" for other in running)
+
+
 def find_instance(config_path: str | None, verb: str) -> tuple[ServingConfig, Instance | None]:
     """The config and the running instance that `status` and `stop` mean. With -c: that config's
     instance, when it runs. Without: the default config's in the working folder, else the only
@@ -228,8 +235,7 @@ def find_instance(config_path: str | None, verb: str) -> tuple[ServingConfig, In
         return config, instance
     running = live_instances()
     if len(running) > 1:
-        choices = "; ".join(f"{other.name}: {other.command_for(verb)}" for other in running)
-        raise ConfigError(f"{len(running)} instances run, name one with -c: {choices}")
+        raise ConfigError(f"{len(running)} instances run, name one with -c: {commands_for(verb, running)}")
     if running:
         return load_config(running[0].config or None), running[0]
     return config, None

@@ -18,7 +18,7 @@ from connectors.admin import (
 from connectors.flink_rest import FlinkRest, FlinkRestError
 from connectors.local_broker import find_java, kafka_version, port_taken
 from ops.children import LocalBroker
-from ops.instances import Instance, live_instances
+from ops.instances import Instance, commands_for
 from ops.processes import listener_of
 
 RATE_SAMPLE_S = 1.0
@@ -143,7 +143,7 @@ def status_lines(config: ServingConfig, instance: Instance | None) -> tuple[list
     if instance:
         lines = [f"instance: {instance.name}, since {time.ctime(instance.started_at)}"]
     else:
-        others = "; ".join(f"{other.name}: {other.command_for('status')}" for other in live_instances())
+        others = commands_for("status")
         lines = [f"instance: none runs with this config{f' (running: {others})' if others else ''}"]
     flink = FlinkRest(config.http.flink_rest_url, timeout_s=3.0)
     job = flink.find_job(JOB_NAME)
