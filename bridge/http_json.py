@@ -131,13 +131,18 @@ def _nested_as(data: Any, shape: tuple[int, ...]) -> bool:
     return isinstance(data, list) and len(data) == shape[0] and all(_nested_as(item, shape[1:]) for item in data)
 
 
+def v2_numpy_dtype(name: str, datatype: str) -> np.dtype:
+    """The numpy dtype of an open inference protocol datatype; InvalidRequest for a name it lacks."""
+    if datatype not in V2_NUMPY_DTYPES:
+        raise InvalidRequest(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
+    return V2_NUMPY_DTYPES[datatype]
+
+
 def _v2_dtype(name: str, datatype: str, signature: ModelSignature) -> np.dtype:
     """The dtype to type the data as: the model's for an input it has, so values are checked
     against the range the model takes. A datatype of another kind is refused: the job casts
     INT32 or BOOL to FP32 without a word."""
-    if datatype not in V2_NUMPY_DTYPES:
-        raise InvalidRequest(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
-    declared, info = V2_NUMPY_DTYPES[datatype], signature.input(name)
+    declared, info = v2_numpy_dtype(name, datatype), signature.input(name)
     if info is None:
         return declared  # the job names the unknown input
     if _kind(declared) != _kind(info.dtype):

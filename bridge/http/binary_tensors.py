@@ -21,8 +21,7 @@ import numpy as np
 from starlette.types import Send
 
 from bridge.errors import InvalidRequest
-from bridge.http_json import json_bytes
-from connectors.tensors import V2_NUMPY_DTYPES
+from bridge.http_json import json_bytes, v2_numpy_dtype
 
 HEADER_LENGTH = "inference-header-content-length"
 BYTES_LENGTH = struct.Struct("<I")
@@ -67,9 +66,7 @@ def values_from_bytes(name: str, datatype: str, chunk: bytes) -> np.ndarray:
     """One input's values, flat; the caller checks them against the shape."""
     if datatype == "BYTES":
         return _strings(name, chunk)
-    if datatype not in V2_NUMPY_DTYPES:
-        raise InvalidRequest(f"input {name!r}: unknown datatype {datatype!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
-    dtype = V2_NUMPY_DTYPES[datatype]
+    dtype = v2_numpy_dtype(name, datatype)
     if chunk and len(chunk) % dtype.itemsize:
         raise InvalidRequest(f"input {name!r}: {len(chunk)} bytes are not a whole number of {datatype} values")
     if dtype.kind == "b":
