@@ -24,6 +24,7 @@ from connectors.flink_rest import FlinkRest
 from connectors.local_broker import READY_PREFIX
 from ops.processes import PROJECT_ROOT
 
+
 class ChildFailed(RuntimeError):
     """A child that exited or did not get ready: `summary` is one line for users; the message adds
     the tail of the child's log, for tests and the benchmark."""
