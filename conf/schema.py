@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
+from types import UnionType
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
@@ -213,8 +214,16 @@ class HttpConfig(_Section):
         return burst
 
 
+class ModelsConfig(_Section):
+    # Empty: model.path is the repository, a model of one version (conf/repository.py).
+    repository: Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)] = None
+    default: Annotated[str, _none_is("")] = ""
+    poll_interval_s: StrictFloat = Field(5.0, ge=0)
+
+
 class ServingConfig(_Section):
     model: ModelConfig
+    models: ModelsConfig = ModelsConfig()
     kafka: KafkaConfig
     batching: BatchingConfig
     flink: FlinkConfig
@@ -332,7 +341,7 @@ MUST_BE = {
 }
 
 
-def _one_line(exc: ValidationError) -> ConfigError:
+def _one_line(exc: ValidationError, root: type[BaseModel] | None = None) -> ConfigError:
     """pydantic's first error (a typo before any value) as `dotted.key: problem`.
 
     pydantic names one bound of a range and quotes the choices; the README and users' scripts
@@ -341,13 +350,13 @@ def _one_line(exc: ValidationError) -> ConfigError:
     error = min(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")
     kind, loc, value = error["type"], error["loc"], error.get("input")
     if kind == "extra_forbidden":
-        known = ", ".join(sorted(_declared(loc[:-1]).model_fields))
+        known = ", ".join(sorted(_declared(loc[:-1], root).model_fields))
         return ConfigError(f"{'.'.join(map(str, loc))}: unknown key (known: {known})")
     whole = isinstance(loc[-1], str) and loc[-1] != "[key]"  # not one of its items or keys
     if loc[-1] == "[key]":  # the user's key itself is wrong: name the mapping
         loc = loc[:-2]
     keys = [part for part in loc if isinstance(part, str)]
-    field = _declared(keys)
+    field = _declared(keys, root)
     declared = list(_declarations(field))
     if kind == "value_error":
         problem = str(error["ctx"]["error"])
@@ -365,15 +374,23 @@ def _one_line(exc: ValidationError) -> ConfigError:
     return ConfigError(f"{'.'.join(keys)}: {problem}")
 
 
-def _declared(keys: Sequence[Any]) -> Any:
-    """The model class or the field (FieldInfo) that a key path names; under preprocess.images,
-    a key is the user's input name and leads to an ImageConfig."""
-    node: Any = ServingConfig
+def _declared(keys: Sequence[Any], root: type[BaseModel] | None = None) -> Any:
+    """The model class or the field (FieldInfo) that a key path names, from `root` (the config by
+    default); under preprocess.images, a key is the user's input name and leads to an ImageConfig."""
+    node: Any = root or ServingConfig
     for key in keys:
         node = get_args(node.annotation)[-1] if isinstance(node, FieldInfo) else node.model_fields[key]
-        if isinstance(node, FieldInfo) and isinstance(node.annotation, type) and issubclass(node.annotation, BaseModel):
-            node = node.annotation
+        if isinstance(node, FieldInfo) and (section := _section_of(node.annotation)):
+            node = section
     return node
+
+
+def _section_of(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds, an optional one's included (`BatchingConfig | None`)."""
+    for candidate in (annotation, *(get_args(annotation) if isinstance(annotation, UnionType) else ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def _declarations(node: Any) -> Iterator[Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from connectors.wire import v1, v2
+from connectors.wire.v2 import Served
 from connectors.wire.values import (
     MAX_RANK,
     MAX_TENSORS,
@@ -23,7 +24,7 @@ from connectors.wire.values import (
 
 __all__ = [
     "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
-    "EncodedImage", "Message", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
+    "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
     "encode_rows",
 ]
 
@@ -47,16 +48,14 @@ def decode_message(payload: bytes, max_bytes: int) -> Message:
     return v1.decode(payload, max_bytes)
 
 
-def encode_rows(
-    uris: list[str], tensors: dict[str, np.ndarray], batch_size: int | None = None, inference_us: int | None = None
-) -> list[bytes]:
+def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served = Served()) -> list[bytes]:
     """One message per uri, holding row i of every stacked tensor (first dimension len(uris)): the
     results of one batched run. Version 2 shares one layout and one copy of each tensor among the
     rows; other dtypes (strings) go through encode_message row by row."""
     if v2.carries(tensors):
-        return v2.encode_rows(uris, tensors, batch_size, inference_us)
+        return v2.encode_rows(uris, tensors, served)
     return [
-        encode_message(Message(uri, {name: value[i] for name, value in tensors.items()}, batch_size=batch_size,
-                               inference_us=inference_us))
+        encode_message(Message(uri, {name: value[i] for name, value in tensors.items()}, None, *served[:2], None,
+                               *served[2:]))
         for i, uri in enumerate(uris)
     ]

@@ -8,7 +8,7 @@ from typing import Iterator
 from pyflink.datastream import MapFunction
 
 from conf import KAFKA_RECORD_BYTES
-from connectors.codec import Message, encode_message, encode_rows
+from connectors.codec import Message, Served, encode_message, encode_rows
 from job.frames import write_frame
 from job.infer import Outcome, Rows
 
@@ -37,7 +37,7 @@ def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
             yield outcome.uri, encode_result(outcome)
             continue
         try:
-            payloads = encode_rows(outcome.uris, outcome.outputs, len(outcome.uris), outcome.inference_us)
+            payloads = encode_rows(outcome.uris, outcome.outputs, Served(len(outcome.uris), outcome.inference_us))
         except ValueError:  # an output the format cannot carry: each request says so
             payloads = [encode_result(message) for message in outcome.messages()]
         for uri, payload in zip(outcome.uris, payloads):

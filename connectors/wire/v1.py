@@ -30,6 +30,8 @@ def encode(message: Message) -> bytes:
         ("cs.batch_size", message.batch_size),
         ("cs.inference_us", message.inference_us),
         ("cs.top_n", message.top_n),
+        ("cs.model", message.model),
+        ("cs.model_version", message.model_version),
     ):
         if item is not None:
             metadata[key] = str(item)
@@ -79,6 +81,8 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch, max_bytes: int) -> Messag
         batch_size=_count(metadata.get("cs.batch_size")),
         inference_us=_count(metadata.get("cs.inference_us")),
         top_n=_count(metadata.get("cs.top_n")),
+        model=metadata.get("cs.model"),
+        model_version=_count(metadata.get("cs.model_version")),
     )
 
 

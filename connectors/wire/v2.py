@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import struct
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,6 +18,15 @@ V2_MAGIC = b"CST2"  # an Arrow IPC stream starts with 0xFFFFFFFF: the two never 
 _URI = struct.Struct("<4sH")  # the magic, the uri's length
 _LAYOUT_LENGTH = struct.Struct("<I")
 MAX_LAYOUT_BYTES = 64 * 1024
+
+class Served(NamedTuple):
+    """What a result's layout says of how it was served: the same for every row of a batch."""
+
+    batch_size: int | None = None
+    inference_us: int | None = None
+    model: str | None = None
+    model_version: int | None = None
+
 
 # numpy's one-letter type codes of the number dtypes (dtype.name is computed in Python, ~3 us).
 _CHARS = {np.dtype(name).char: name for name in NUMERIC_DTYPES} | {"l": "int64", "L": "uint64"}
@@ -34,18 +44,17 @@ def carries(tensors: dict[str, Value]) -> bool:
 def encode(message: Message) -> bytes:
     """The one-row case of encode_rows."""
     rows = {name: value[np.newaxis] for name, value in message.tensors.items()}
-    return encode_rows([message.uri], rows, message.batch_size, message.inference_us)[0]
+    served = Served(message.batch_size, message.inference_us, message.model, message.model_version)
+    return encode_rows([message.uri], rows, served)[0]
 
 
-def encode_rows(
-    uris: list[str], tensors: dict[str, np.ndarray], batch_size: int | None, inference_us: int | None
-) -> list[bytes]:
+def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served = Served()) -> list[bytes]:
     """One message per uri, holding row i of every stacked tensor (first dimension len(uris)),
     which `carries`: the rows share one layout and one copy of each tensor."""
     count = len(uris)
     arrays = [_little_endian(value) for value in tensors.values()]
     spec = tuple((name, _CHARS[array.dtype.char], array.shape[1:]) for name, array in zip(tensors, arrays))
-    layout = _layout(spec, batch_size, inference_us)
+    layout = _layout(spec, served)
     tail = _LAYOUT_LENGTH.pack(len(layout)) + layout
     rows = [memoryview(array.reshape(-1).view(np.uint8)) for array in arrays]
     sizes = [array.nbytes // count if count else 0 for array in arrays]
@@ -63,10 +72,10 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(spec: tuple, batch_size: int | None, inference_us: int | None) -> bytes:
+def _layout(spec: tuple, served: Served) -> bytes:
     """The layout JSON of a tensor spec; cached, since a stream of messages repeats a few."""
     layout: dict = {"tensors": [[name, kind, list(shape)] for name, kind, shape in spec]}
-    for key, item in (("batch_size", batch_size), ("inference_us", inference_us)):
+    for key, item in zip(Served._fields, served):
         if item is not None:
             layout[key] = item
     return json.dumps(layout, separators=(",", ":")).encode()
@@ -85,7 +94,7 @@ def decode(payload: bytes) -> Message:
     if layout_length > MAX_LAYOUT_BYTES or at + layout_length > len(payload):
         raise DecodeError(f"version 2 layout of {layout_length} bytes does not fit the message")
     layout = bytes(payload[at:at + layout_length])
-    tensors, needed, batch_size, inference_us = _parse_layout(layout)
+    tensors, needed, served = _parse_layout(layout)
     at += layout_length
     if needed != len(payload) - at:
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
@@ -93,17 +102,15 @@ def decode(payload: bytes) -> Message:
     for name, dtype, shape, nbytes in tensors:
         values[name] = np.frombuffer(payload, dtype, math.prod(shape), at).reshape(shape)
         at += nbytes
-    # Positional arguments (uri, tensors, error, batch_size, inference_us, top_n, layout_key): a
-    # dataclass is built at less than half the cost of keywords.
-    return Message(uri, values, None, batch_size, inference_us, None, layout)
+    # Positional arguments (uri, tensors, error, batch_size, inference_us, top_n, model,
+    # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
+    return Message(uri, values, None, *served[:2], None, *served[2:], layout)
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_layout(
-    text: bytes,
-) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int, int | None, int | None]:
+def _parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int, Served]:
     """The checked layout: (name, dtype, shape, bytes) per tensor, the bytes of all the values,
-    batch size, inference time.
+    and what a result says of how it was served.
     Cached (a failed parse raises and is not), so a stream of like messages parses it once."""
     try:
         layout = json.loads(text)
@@ -123,7 +130,12 @@ def _parse_layout(
     if len(set(names)) != len(names):
         raise DecodeError("a tensor name appears more than once")
     needed = sum(nbytes for *_, nbytes in tensors)
-    return tensors, needed, _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us")
+    model = layout.get("model")
+    served = Served(
+        _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us"),
+        model if isinstance(model, str) else None, _layout_count(layout, "model_version"),
+    )
+    return tensors, needed, served
 
 
 def _layout_count(layout: dict, key: str) -> int | None:

@@ -77,6 +77,9 @@ class Message:
     batch_size: int | None = None
     inference_us: int | None = None
     top_n: int | None = None
+    # Results: the model and its version that served the request (errors: as far as known).
+    model: str | None = None
+    model_version: int | None = None
     # Version 2 messages only: their layout's bytes. Messages with equal keys hold tensors of the
     # same names, dtypes and shapes, so the job checks one and stacks them all.
     layout_key: bytes | None = field(default=None, compare=False, repr=False)
