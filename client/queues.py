@@ -2,6 +2,7 @@
 
     from client import InputQueue, OutputQueue
     InputQueue(bootstrap_servers="127.0.0.1:9092").enqueue("img-1", image={"path": "cat.jpg"})
+    InputQueue(bootstrap_servers="127.0.0.1:9092").enqueue("img-2", model="resnet", version=2, image=...)
     OutputQueue(bootstrap_servers="127.0.0.1:9092").query("img-1", timeout=5)
     InputQueue(sync=True, frontend_url="http://127.0.0.1:10020").predict('{"instances": [...]}')
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import sys
 import time
 import urllib.error
@@ -21,6 +23,7 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from conf import KAFKA_RECORD_BYTES, defaults
+from conf.repository import NAME as MODEL_NAME
 from connectors.admin import READ_COMMITTED, LagProbe
 from connectors.codec import DecodeError, decode_message
 from connectors.inputs import Result, encode_request, result_of
@@ -34,6 +37,11 @@ PROGRESS_EVERY_S = 1.0
 # The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
 LAG_CHECK_EVERY_S = 0.5
 WHEN_FULL = ("block", "refuse")
+# The Kafka record headers that name a request's model (UTF-8) and version (decimal text); a
+# request without them goes to the default model, at the newest version the job serves.
+MODEL_HEADER, VERSION_HEADER = "model", "version"
+MAX_VERSION = 2**63 - 1  # the job reads versions as int64
+Headers = list[tuple[str, bytes]]
 
 
 class QueueFullError(RuntimeError):
@@ -55,8 +63,31 @@ class PredictError(RuntimeError):
 PRODUCER_BATCH_BYTES = 1024 * 1024
 
 
+def request_headers(model: str | None, version: int | None) -> Headers | None:
+    """The record headers naming `model` and `version` (None: no header); a name the repository
+    cannot hold or a version that is not a positive integer raises ValueError."""
+    headers: Headers = []
+    if model is not None:
+        headers.append((MODEL_HEADER, checked_model(model).encode()))
+    if version is not None:
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 1 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be a positive integer (a version folder's name), got {version!r}")
+        headers.append((VERSION_HEADER, str(int(version)).encode()))
+    return headers or None
+
+
+def checked_model(model: str) -> str:
+    if not isinstance(model, str) or not MODEL_NAME.fullmatch(model):
+        raise ValueError(
+            f"model must be a model repository name ({MODEL_NAME.pattern}), got {model!r}; "
+            "leave it out (None) for the default model"
+        )
+    return model
+
+
 class InputQueue:
-    """Sends requests: `enqueue(uri, **inputs)`, one Kafka record per request, key = uri; or, with
+    """Sends requests: `enqueue(uri, **inputs)`, one Kafka record per request, key = uri, the
+    model and version it names (if any) in the record's headers `model` and `version`; or, with
     `sync=True`, `predict(request_json)` through the HTTP bridge at `frontend_url`.
 
     With `max_lag`, enqueue first checks how far the job (consumer group `job_group_id`) is behind
@@ -94,18 +125,32 @@ class InputQueue:
         self._lag_probe = LagProbe(bootstrap_servers, topic, job_group_id, **kafka) if max_lag and not sync else None
         self._lag_checked = (-1.0, 0)  # (when, lag)
 
-    def enqueue(self, uri: str, **data: Any) -> None:
+    def enqueue(self, uri: str, model: str | None = None, version: int | None = None, **data: Any) -> None:
         """Queues one request; returns once it is handed to the producer (call flush() to wait).
-        Each keyword is one input: a list of str, an image {'path'|'b64': ...}, an ndarray, or a
-        sparse tensor [indices, values, shape]."""
-        self._send(uri, data)
+        Each other keyword is one input: a list of str, an image {'path'|'b64': ...}, an ndarray,
+        or a sparse tensor [indices, values, shape].
 
-    def enqueue_batch(self, requests: Iterable[tuple[str, Mapping[str, Any]]], progress: bool = False) -> int:
+        `model` names the model of the repository that serves it (None: the default one) and
+        `version` its version (None: the newest one served); a bad name or version raises
+        ValueError before anything is sent. `model` and `version` are therefore reserved keyword
+        names here: send inputs called that way with enqueue_batch([(uri, {"model": ...})])."""
+        self._send(uri, data, request_headers(model, version))
+
+    def enqueue_batch(
+        self,
+        requests: Iterable[tuple[str, Mapping[str, Any]]],
+        progress: bool = False,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> int:
         """Queues many (uri, inputs) requests with one flush at the end; returns how many. With
-        `progress`, prints how many are queued every second and at the end (to stderr)."""
+        `progress`, prints how many are queued every second and at the end (to stderr). `model`
+        and `version` (see enqueue) apply to every request; inputs may have any names here,
+        `model` and `version` included."""
+        headers = request_headers(model, version)
         count, started, shown = 0, time.monotonic(), time.monotonic()
         for uri, data in requests:
-            self._send(uri, data)
+            self._send(uri, data, headers)
             count += 1
             if progress and time.monotonic() - shown >= PROGRESS_EVERY_S:
                 shown = time.monotonic()
@@ -116,13 +161,13 @@ class InputQueue:
             print(f"enqueued {count} requests in {elapsed:.1f} s ({count / elapsed:.0f}/s), flushed", file=sys.stderr)
         return count
 
-    def _send(self, uri: str, data: Mapping[str, Any]) -> None:
+    def _send(self, uri: str, data: Mapping[str, Any], headers: Headers | None) -> None:
         if self._producer is None:
             raise RuntimeError("this InputQueue was made with sync=True: use predict(), not enqueue()")
         payload = encode_request(uri, data)
         if self._lag_probe is not None:
             self._wait_for_room()
-        self._producer.send(self.topic, key=uri.encode(), value=payload)
+        self._producer.send(self.topic, key=uri.encode(), value=payload, headers=headers)
 
     def lag(self) -> int:
         """The job's lag on the input topic, as last measured (at most LAG_CHECK_EVERY_S old)."""
@@ -144,14 +189,17 @@ class InputQueue:
                 raise QueueFullError(f"input topic {self.topic!r} lag {lag} >= max_lag {self.max_lag}{waited}")
             time.sleep(LAG_CHECK_EVERY_S)
 
-    def predict(self, request: str | Mapping[str, Any], timeout: float = 60.0) -> list[Any]:
-        """Sends `{"instances": [...]}` (JSON text or a dict) to the bridge's /predict and returns
-        its predictions, one per instance; a refused request raises PredictError."""
+    def predict(self, request: str | Mapping[str, Any], timeout: float = 60.0, model: str | None = None) -> list[Any]:
+        """Sends `{"instances": [...]}` (JSON text or a dict) to the bridge's /predict (the default
+        model) or, with `model`, to its KServe v1 route /v1/models/<model>:predict, and returns the
+        predictions, one per instance; a refused request raises PredictError. Both serve the newest
+        version; to name a version, use enqueue(version=...) or the bridge's v2 routes."""
         if not self.frontend_url:
             raise RuntimeError("predict() needs InputQueue(sync=True, frontend_url=...)")
+        route = "/predict" if model is None else f"/v1/models/{checked_model(model)}:predict"
         body = request.encode() if isinstance(request, str) else json.dumps(request).encode()
         call = urllib.request.Request(
-            f"{self.frontend_url}/predict", data=body, headers={"Content-Type": "application/json"}
+            f"{self.frontend_url}{route}", data=body, headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(call, timeout=timeout) as response:
@@ -216,6 +264,7 @@ def _error_text(body: bytes) -> str:
 
 class OutputQueue:
     """Reads results: `query(uri, timeout)` waits for one, `dequeue()` takes all that are there.
+    A result is a dict (connectors.inputs.Result) whose `.model` and `.version` name what served it.
 
     It reads every partition of the result topic itself (no consumer-group rebalancing) and keeps
     its position as the committed offset of `group_id`, moved forward by `dequeue()`.

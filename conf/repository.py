@@ -120,10 +120,17 @@ class Servable:
     name: str
     folder: Path
     config: ServableConfig
-    versions: tuple[int, ...]  # served ones, ascending
+    versions: tuple[int, ...]  # the ones its version policy serves, ascending
     batching: BatchingConfig
-    # The file of each served version (pipelines: none).
+    # The file of every version in its folder (pipelines: none).
     files: dict[int, Path] = field(default_factory=dict, compare=False)
+
+    def served(self, left_out: frozenset[tuple[str, int]]) -> tuple[int, ...]:
+        """The versions the policy serves once those in `left_out` (failed to open) are set aside:
+        with `latest: 1`, a broken version 3 leaves version 2 serving."""
+        if self.is_pipeline:
+            return self.versions
+        return self.config.version_policy.served([version for version in self.files if (self.name, version) not in left_out])
 
     @property
     def is_pipeline(self) -> bool:
@@ -208,10 +215,7 @@ def _servable(folder: Path, config: ServingConfig) -> Servable:
         if entry.name.isdigit() and int(entry.name) > 0 and (entry / MODEL_FILE).is_file()
     }
     served = servable.version_policy.served(list(files))
-    return Servable(
-        folder.name, folder, servable, served, servable.batching or config.batching,
-        {version: files[version] for version in served},
-    )
+    return Servable(folder.name, folder, servable, served, servable.batching or config.batching, files)
 
 
 def _read_servable(path: Path, config: ServingConfig) -> ServableConfig:
@@ -285,10 +289,7 @@ class RoutingTable:
         """The table of a repository, without the (model, version) pairs in `left_out` (those that
         failed to load); generation: now in milliseconds unless given."""
         entries = {
-            name: TableEntry(
-                servable.batching.batch_size, servable.batching.max_delay_ms,
-                tuple(version for version in servable.versions if (name, version) not in left_out),
-            )
+            name: TableEntry(servable.batching.batch_size, servable.batching.max_delay_ms, servable.served(left_out))
             for name, servable in sorted(repository.servables.items())
         }
         return cls(generation or time.time_ns() // 1_000_000, repository.default, entries)

@@ -271,8 +271,9 @@ class ServingConfig(_Section):
         return Path(os.environ.get("FLINK_LOG_DIR", self.folder / "log"))
 
     def check_files(self) -> None:
-        """Fails when the model or a jar is missing; separate so `init` can validate first."""
-        if not self.model.path.is_file():
+        """Fails when the model (without a repository) or a jar is missing; separate so `init` can
+        validate first."""
+        if self.models.repository is None and not self.model.path.is_file():
             raise ConfigError(f"model.path: model file not found: {self.model.path}")
         for jar in self.flink.pipeline_jars:
             if not jar.is_file():
@@ -352,6 +353,8 @@ def _one_line(exc: ValidationError, root: type[BaseModel] | None = None) -> Conf
     if kind == "extra_forbidden":
         known = ", ".join(sorted(_declared(loc[:-1], root).model_fields))
         return ConfigError(f"{'.'.join(map(str, loc))}: unknown key (known: {known})")
+    if not loc:  # a rule across the whole file's keys
+        return ConfigError(str(error["ctx"]["error"]) if kind == "value_error" else error["msg"])
     whole = isinstance(loc[-1], str) and loc[-1] != "[key]"  # not one of its items or keys
     if loc[-1] == "[key]":  # the user's key itself is wrong: name the mapping
         loc = loc[:-2]

@@ -15,8 +15,22 @@ from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, Value,
 from connectors.tensors import TensorError
 from connectors.wire.kinds import KINDS, JsonHints
 
-# A result as users see it: output name -> ndarray, {class: probability} (top-N) or {'error': ...}.
-Result = dict[Any, Any]
+
+class Result(dict[Any, Any]):
+    """A result as users see it: output name -> ndarray, {class: probability} (top-N) or
+    {'error': ...}; a dict (equal to a plain dict of the same items) that also says what served it:
+    `model` (the model's name) and `version` (its version), None where the result does not say."""
+
+    __slots__ = ("model", "version")
+
+    def __init__(self, items: Any = (), model: str | None = None, version: int | None = None):
+        super().__init__(items)
+        self.model, self.version = model, version
+
+    def __repr__(self) -> str:
+        if self.model is None and self.version is None:
+            return super().__repr__()
+        return f"Result({super().__repr__()}, model={self.model!r}, version={self.version!r})"
 
 
 def encode_request(uri: str, data: Mapping[str, Any]) -> bytes:
@@ -56,7 +70,11 @@ def _json_input(name: str, value: Any, hints: JsonHints) -> Value:
 
 def result_of(message: Message) -> Result:
     """A result as users see it: output name -> ndarray; with top_n, {class index: probability}
-    best first; or {'error': message}."""
+    best first; or {'error': message}. Its `model` and `version` are the message's."""
+    return Result(_result_items(message), message.model, message.model_version)
+
+
+def _result_items(message: Message) -> dict[Any, Any]:
     if message.error is not None:
         return {"error": message.error}
     if message.top_n is not None:
@@ -64,4 +82,4 @@ def result_of(message: Message) -> Result:
         if classes is None or probabilities is None:
             return {"error": "unreadable result: a top-N result without classes and probabilities"}
         return {int(cls): float(prob) for cls, prob in zip(classes, probabilities)}
-    return dict(message.tensors)
+    return message.tensors

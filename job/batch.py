@@ -1,13 +1,16 @@
-"""The micro-batcher: groups requests per key and flushes at `batch_size` or `max_delay_ms`.
+"""The micro-batcher: groups requests per route (model, version) and flushes each at its model's
+`batch_size` or `max_delay_ms`.
 
 It runs in the JVM (job/java/MicroBatchOperator.java), chained to the Kafka source: a
 batcher in Python cost a Python call and a state access per request, most of the job's time, and a
 keyed one a network exchange per request. Waiting requests are operator state, so a checkpoint
 taken while a batch is filling includes them: after a restore they are flushed, never lost with
-the offsets already committed. Each batch reaches Python as one frame (job/frames.py). Every
-parallel instance batches the partitions its source reads; a model and version can join the
-batching later as a map of pending lists. The module also holds the other side of a batch's trip
-through Python: the JVM splitter of its results, and the name the Python stages run under.
+the offsets already committed. Each batch reaches Python as one frame (job/frames.py) of one
+route; the routing table (conf/repository.py's table text) says each model's batching, and a
+control record of the input topic carrying a newer table switches to it at that point of the log
+(a control frame tells Python). Every parallel instance batches the partitions its source reads.
+The module also holds the other side of a batch's trip through Python: the JVM splitter of its
+results, and the name the Python stages run under.
 """
 
 from __future__ import annotations
@@ -16,19 +19,27 @@ from pyflink.common import Types
 from pyflink.datastream import DataStream, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
-from conf import KAFKA_RECORD_BYTES, BatchingConfig
+from conf import KAFKA_RECORD_BYTES
 
 # A batch is flushed early once its requests add up to this many bytes, so that one frame stays a
 # few of the largest requests (KAFKA_RECORD_BYTES each), not batch_size of them.
 MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
 FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
+# What the Kafka source emits (KeyValueDeserializationSchema.java): the key as the uri, the value,
+# the `model` and `version` headers (None when absent or empty), and whether it is a control record
+# (header `cluster-serving-control`; its payload is a routing table's text, its uri None).
+REQUEST_ROW = Types.ROW_NAMED(
+    ["uri", "payload", "model", "version", "control"],
+    [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.STRING(), Types.BOOLEAN()],
+)
 
 
-def micro_batches(requests: DataStream, batching: BatchingConfig) -> DataStream:
-    """Row(uri, payload) requests -> one frame per micro-batch."""
-    batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(
-        batching.batch_size, batching.max_delay_ms, MAX_BATCH_BYTES
-    )
+def micro_batches(requests: DataStream, table_text: str, max_batch_bytes: int = MAX_BATCH_BYTES) -> DataStream:
+    """REQUEST_ROW requests -> one frame per micro-batch of one route, a control frame first and at
+    every newer table (job/frames.py read_frame). `table_text` is the routing table the job starts
+    with; one restored from a checkpoint wins when its generation is newer. A malformed table
+    raises here (py4j's error around the JVM's IllegalArgumentException)."""
+    batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(table_text, max_batch_bytes)
     return DataStream(requests._j_data_stream.transform("micro-batch", FRAME.get_java_type_info(), batcher))
 
 

@@ -1,6 +1,7 @@
-"""Decoding: raw records of a micro-batch -> requests with plain arrays, or error results for what
-cannot be read or prepared (bad bytes, a record key that is not the payload's uri, an image that
-does not decode)."""
+"""Decoding: a frame from the JVM -> a routing table to adopt, or a micro-batch's requests and error
+results for what cannot be read (bad bytes, a record key that is not the payload's uri). Images and
+sparse tensors are made arrays once the batch's servable is known, as its settings say
+(`prepare_instances`, called by job/serve.py)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,34 @@ from dataclasses import dataclass
 
 from pyflink.datastream import MapFunction, RuntimeContext
 
-from conf import LimitsConfig, PreprocessConfig
+from conf import ImageConfig, LimitsConfig
 from connectors.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
 from job.frames import read_frame
 from job.model import InvalidInput
-from job.preprocess import configure_pillow, prepare_values
+from job.preprocess import prepare_values
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DecodedBatch:
-    """A micro-batch after decoding: requests to run, and error results for those that cannot be."""
+    """A micro-batch after decoding: requests to run, and error results for those that cannot be;
+    or, for a control frame, the routing table's text alone."""
 
     instances: list[Message]
     rejected: list[Message]
+    # The route as the requests' headers named it ("": the default model, the newest version).
+    model: str = ""
+    version: str = ""
+    table: str | None = None
 
 
-def decode_records(
-    records: list[tuple[str | None, bytes]], limits: LimitsConfig, preprocess: PreprocessConfig
-) -> tuple[DecodedBatch, int]:
+def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig) -> tuple[DecodedBatch, int]:
     """Returns the decoded batch and how many records were dropped for lack of a uri to answer.
 
     Whatever one record holds, it ends up an instance, an error result or a dropped count: any
-    exception from reading or preparing it, expected or not, stays that record's problem, since
-    one escaping would restart the job and fail every other request in flight."""
+    exception from reading it, expected or not, stays that record's problem, since one escaping
+    would restart the job and fail every other request in flight."""
     instances: list[Message] = []
     rejected: list[Message] = []
     dropped = 0
@@ -49,14 +53,26 @@ def decode_records(
                 log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), _reason(exc))
                 dropped += 1
             continue
+        instances.append(message)
+    return DecodedBatch(instances, rejected), dropped
+
+
+def prepare_instances(
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig
+) -> tuple[list[Message], list[Message]]:
+    """(instances whose values are all arrays now, error results): images decoded and sparse
+    tensors made dense. Format v2 holds dense tensors only: nothing to do. As in decode_records,
+    any exception is that request's error result."""
+    ready, rejected = [], []
+    for message in instances:
         try:
-            if message.layout_key is None:  # format v2 holds only dense tensors: nothing to prepare
-                message.tensors = prepare_values(message.tensors, preprocess.images, limits)
+            if message.layout_key is None:
+                message.tensors = prepare_values(message.tensors, images, limits)
         except Exception as exc:
             rejected.append(error_result(message.uri, "invalid input", exc))
             continue
-        instances.append(message)
-    return DecodedBatch(instances, rejected), dropped
+        ready.append(message)
+    return ready, rejected
 
 
 def error_result(uri: str, kind: str, exc: Exception) -> Message:
@@ -82,22 +98,23 @@ def _reason(exc: Exception) -> str:
 
 
 class DecodeBatch(MapFunction):
-    """The Flink stage around `decode_records`: a frame of raw records in (job/frames.py), decode
-    errors counted for the Flink UI."""
+    """The Flink stage around `decode_records`: a frame in (job/frames.py), decode errors counted
+    for the Flink UI."""
 
-    def __init__(self, limits: LimitsConfig, preprocess: PreprocessConfig):
+    def __init__(self, limits: LimitsConfig):
         self.limits = limits
-        self.preprocess = preprocess
 
     def open(self, runtime_context: RuntimeContext) -> None:
-        configure_pillow(self.limits.max_image_pixels)
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.records_in = group.counter("requests")
         self.decode_errors = group.counter("decodeErrors")
 
     def map(self, value: bytes) -> DecodedBatch:
-        records = read_frame(value)
-        batch, dropped = decode_records(records, self.limits, self.preprocess)
-        self.records_in.inc(len(records))
+        frame = read_frame(value)
+        if frame.table is not None:
+            return DecodedBatch([], [], table=frame.table)
+        batch, dropped = decode_records(frame.records, self.limits)
+        batch.model, batch.version = frame.model, frame.version
+        self.records_in.inc(len(frame.records))
         self.decode_errors.inc(len(batch.rejected) + dropped)
         return batch

@@ -37,7 +37,10 @@ def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
             yield outcome.uri, encode_result(outcome)
             continue
         try:
-            payloads = encode_rows(outcome.uris, outcome.outputs, Served(len(outcome.uris), outcome.inference_us))
+            payloads = encode_rows(
+                outcome.uris, outcome.outputs,
+                Served(len(outcome.uris), outcome.inference_us, outcome.model, outcome.model_version),
+            )
         except ValueError:  # an output the format cannot carry: each request says so
             payloads = [encode_result(message) for message in outcome.messages()]
         for uri, payload in zip(outcome.uris, payloads):

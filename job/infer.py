@@ -1,4 +1,4 @@
-"""Inference: runs a decoded micro-batch through ONNX Runtime, one stacked run per input shape.
+"""Inference: runs a decoded micro-batch through one ONNX Runtime model, one stacked run per input shape.
 
 A request that does not fit the model, or a group whose run raises, gets an error outcome; the
 others in the batch still get their results.
@@ -7,18 +7,12 @@ others in the batch still get their results.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from pyflink.datastream import MapFunction, RuntimeContext
-
-from conf import ModelConfig, PostprocessConfig
 from connectors.codec import Message
-from job.decode import DecodedBatch, error_result
+from job.decode import error_result
 from job.model import InvalidInput, OnnxModel
-from job.postprocess import top_n
 
 log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]
@@ -32,11 +26,13 @@ class Rows:
     uris: list[str]
     outputs: dict[str, np.ndarray]
     inference_us: int | None = None
+    model: str | None = None
+    model_version: int | None = None
 
     def messages(self) -> list[Message]:
         return [
             Message(uri, {name: value[i] for name, value in self.outputs.items()}, batch_size=len(self.uris),
-                    inference_us=self.inference_us)
+                    inference_us=self.inference_us, model=self.model, model_version=self.model_version)
             for i, uri in enumerate(self.uris)
         ]
 
@@ -106,37 +102,3 @@ def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]
             return [outcome for member in group for outcome in _run_group(model, [member])]
         log.warning("uri=%s inference failed: %s", group[0][0], exc)
         return [Message(uri=group[0][0], error=f"inference failed: {exc}")]
-
-
-class InferBatch(MapFunction):
-    """The Flink stage: opens one ONNX Runtime session per subtask, reports batch metrics and
-    applies the configured postprocessing."""
-
-    def __init__(self, model: ModelConfig, device: str, postprocess: PostprocessConfig):
-        self.model_config = model
-        self.device = device
-        self.top_n = postprocess.top_n
-
-    def open(self, runtime_context: RuntimeContext) -> None:
-        config = self.model_config
-        self.model = OnnxModel(Path(config.path), self.device, config.inputs, config.outputs, config.threads)
-        log.info("opened %s on %s (batched runs: %s)", config.path, self.model.provider, self.model.batched)
-        group = runtime_context.get_metrics_group().add_group("cluster_serving")
-        self.batch_sizes = group.distribution("batchSize")
-        self.inference_us = group.distribution("inferenceTimeUs")
-        self.inference_errors = group.counter("inferenceErrors")
-
-    def map(self, value: DecodedBatch) -> list[Outcome]:
-        started = time.perf_counter()
-        outcomes = predict(self.model, value.instances)
-        if value.instances:
-            elapsed_us = int((time.perf_counter() - started) * 1_000_000)
-            self.batch_sizes.update(len(value.instances))
-            self.inference_us.update(elapsed_us)
-            for outcome in outcomes:  # what the HTTP bridge reports as the job's inference time
-                if isinstance(outcome, Rows) or outcome.error is None:
-                    outcome.inference_us = elapsed_us
-        if self.top_n:
-            outcomes = [top_n(message, self.top_n) for message in as_messages(outcomes)]
-        self.inference_errors.inc(sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error))
-        return value.rejected + outcomes

@@ -1,9 +1,11 @@
 """Kafka wiring of the Flink job: the request source and the result sink (not named kafka.py: under
 `flink run -py job/main.py` this folder comes first on the path and would hide kafka-python).
 
-Records travel as Row(uri, payload bytes): the Kafka key is the uri, the value is a codec message.
-PyFlink (2.2) has no schema that reads the key or writes a Row field as the key, so two small
-Java classes (job/java, compiled by scripts/setup.sh into build/jars) do that.
+Requests arrive as Row(uri, payload, model, version, control) (job.batch.REQUEST_ROW): the Kafka key
+is the uri, the value a codec message, the `model` and `version` headers name what serves it, and a
+`cluster-serving-control` header marks a routing table (job/repository_watch.py). Results leave as
+Row(uri, payload). PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
+the key, so two small Java classes (job/java, compiled by scripts/setup.sh into build/jars) do that.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pyflink.java_gateway import get_gateway
 
 from conf import KAFKA_RECORD_BYTES, KafkaConfig
 
-# Row(uri, payload): the element type at both ends of the job.
+# Row(uri, payload): the results' element type.
 KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
 
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).

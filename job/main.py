@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,16 +28,18 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
+from conf.repository import Repository, RoutingTable, checked_scan  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
-from connectors.tensors import config_mismatch  # noqa: E402
 from connectors.local_broker import find_java, port_taken  # noqa: E402
 from job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
-from job.batch import FRAME, micro_batches, name_python_stages, split_results  # noqa: E402
+from job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
 from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
-from job.infer import InferBatch  # noqa: E402
-from job.model import ModelError, OnnxModel  # noqa: E402
+from job.model import ModelError  # noqa: E402
 from job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
+from job.repository_watch import RepositoryWatch  # noqa: E402
+from job.serve import ServeBatch  # noqa: E402
+from job.servables import repository_check  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")
 
@@ -107,22 +110,24 @@ InferStage = Callable[[ServingConfig], MapFunction]
 
 
 def infer_stage(config: ServingConfig) -> MapFunction:
-    return InferBatch(config.model, config.device, config.postprocess)
+    return ServeBatch(config)
 
 
-def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig, infer: InferStage = infer_stage) -> None:
+def build_pipeline(
+    env: StreamExecutionEnvironment, config: ServingConfig, table: RoutingTable, infer: InferStage = infer_stage
+) -> None:
     """Wires the stages; each stage is one module of this package. The operators' short names are
     what the Flink web UI shows as the job's graph and in its metrics' names
     (`0.infer.cluster_serving.batchSize`); their descriptions, shown with them, say more."""
-    kafka, batching = config.kafka, config.batching
+    kafka = config.kafka
     requests = env.from_source(
-        request_source(kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", KEYED_BYTES
+        request_source(kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
     ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
-    batches = micro_batches(requests, batching).uid("micro-batch-jvm").set_description(
-        f"in the JVM: a batch at {batching.batch_size} requests or {batching.max_delay_ms} ms after its first"
+    batches = micro_batches(requests, table.text()).uid("micro-batch-jvm").set_description(
+        "in the JVM: a batch per model and version, at its batch_size requests or max_delay_ms after its first"
     )
     frames = (
-        batches.map(DecodeBatch(config.limits, config.preprocess)).name("decode").uid("decode")
+        batches.map(DecodeBatch(config.limits)).name("decode").uid("decode")
         .map(infer(config)).name("infer").uid("infer")
         .map(EncodeResults(), output_type=FRAME).name("encode").uid("encode")
     )
@@ -130,17 +135,21 @@ def build_pipeline(env: StreamExecutionEnvironment, config: ServingConfig, infer
     results.sink_to(result_sink(kafka)).name("kafka-results").uid("kafka-results").set_description(
         f"Kafka topic {kafka.result_topic}, {kafka.delivery.replace('_', ' ')}"
     )
-    name_python_stages(
-        env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({config.model.path.name}) -> encode"
-    )
+    name_python_stages(env, "decode", "infer", f"in Python: decode -> {_served(table)} -> encode")
     drop_committer_gauge_warning()
 
 
-def preflight(config: ServingConfig) -> None:
+def _served(table: RoutingTable) -> str:
+    return ", ".join(f"{name} v{','.join(map(str, entry.versions))}" for name, entry in table.entries.items())
+
+
+def preflight(config: ServingConfig) -> Repository:
     """Fails fast, with one line, on what would otherwise surface as a Java stack trace later: the
     embedded cluster's Java and REST port (a taken port was a 50-line BindException after the
-    MiniCluster had started), the model, then the broker (a short TCP probe first, see ensure_topics)."""
+    MiniCluster had started), the models (each version opened once), then the broker (a short TCP
+    probe first, see ensure_topics). Returns the repository to serve."""
     config.check_files()
+    repository = checked_scan(config)
     if not submitted_by_flink_cli():
         find_java()
         port = config.flink.rest_port
@@ -149,15 +158,9 @@ def preflight(config: ServingConfig) -> None:
                 f"flink.rest_port: 127.0.0.1:{port} is in use; stop what listens there "
                 "(`cluster-serving status` shows a running instance) or set another flink.rest_port"
             )
-    model = OnnxModel(config.model.path, config.device, config.model.inputs, config.model.outputs, config.model.threads)
-    problem = config_mismatch([spec.name for spec in model.inputs], model.output_names, image_inputs=tuple(config.preprocess.images))
-    if problem:
-        raise ConfigError(problem)
+    repository_check(config, repository)
     ensure_topics(config.kafka)
-    log.info(
-        "model %s: inputs %s, outputs %s, inference on %s",
-        config.model.path.name, [spec.name for spec in model.inputs], model.output_names, model.provider,
-    )
+    return repository
 
 
 def prepare_process_environment(config: ServingConfig) -> str:
@@ -221,19 +224,24 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def run(config: ServingConfig, fresh: bool = False, infer: InferStage = infer_stage) -> int:
+def run(config: ServingConfig, repository: Repository, fresh: bool = False, infer: InferStage = infer_stage) -> int:
     """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
-    final savepoint) or until the job ends by itself; returns the exit code."""
+    final savepoint) or until the job ends by itself, polling the model repository meanwhile;
+    returns the exit code."""
+    table = RoutingTable.of(repository)
     env = create_environment(config, resume_point(config, fresh))
-    build_pipeline(env, config, infer)
+    build_pipeline(env, config, table, infer)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
     log.info(
         "reading %s, writing %s on %s",
         config.kafka.input_topic, config.kafka.result_topic, config.kafka.bootstrap_servers,
     )
+    log.info("serving %s; requests naming no model go to %s", _served(table), table.default)
     if not attached(env):
         return 0
+    watch = RepositoryWatch(config, repository, table)
+    polled = time.monotonic()
     # A signal only sets a flag: interrupting a py4j call mid-flight would log a traceback.
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -243,6 +251,9 @@ def run(config: ServingConfig, fresh: bool = False, infer: InferStage = infer_st
         if status.is_globally_terminal_state():
             log.error("job %s ended: %s (see the Flink log)", client.get_job_id(), status.name)
             return 1
+        if config.models.poll_interval_s and time.monotonic() - polled >= config.models.poll_interval_s:
+            watch.poll()
+            polled = time.monotonic()
     stop_with_savepoint(client, savepoint_dir(config.flink.checkpoint_dir))
     return 0
 
@@ -270,8 +281,8 @@ def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     configure_logging()
     try:
         config = load_config(args.config)
-        preflight(config)
-        return run(config, args.fresh, infer)
+        repository = preflight(config)
+        return run(config, repository, args.fresh, infer)
     except (ConfigError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,23 +10,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conf import ModelConfig, PostprocessConfig, ServingConfig
+from conf import ServingConfig
 from job.decode import DecodedBatch
-from job.infer import InferBatch, Outcome
+from job.infer import Outcome
 from job.main import main
+from job.serve import ServeBatch
 
 FAIL_AT_BATCH = 10
 FAILURE = f"failing batch {FAIL_AT_BATCH} on purpose"
 
 
-class FailOnceInferBatch(InferBatch):
-    def __init__(self, model: ModelConfig, device: str, postprocess: PostprocessConfig, marker: Path):
-        super().__init__(model, device, postprocess)
+class FailOnceServeBatch(ServeBatch):
+    def __init__(self, config: ServingConfig, marker: Path):
+        super().__init__(config)
         # A file, because it must survive the task's restart (thread mode has no attempt number).
         self.marker = marker
         self.batches = 0
 
     def map(self, value: DecodedBatch) -> list[Outcome]:
+        if value.table is not None:  # a routing table, not a batch
+            return super().map(value)
         self.batches += 1
         if self.batches == FAIL_AT_BATCH and not self.marker.exists():
             self.marker.parent.mkdir(parents=True, exist_ok=True)
@@ -35,9 +38,8 @@ class FailOnceInferBatch(InferBatch):
         return super().map(value)
 
 
-def failing_stage(config: ServingConfig) -> FailOnceInferBatch:
-    marker = config.flink.checkpoint_dir / "failed-once"
-    return FailOnceInferBatch(config.model, config.device, config.postprocess, marker)
+def failing_stage(config: ServingConfig) -> FailOnceServeBatch:
+    return FailOnceServeBatch(config, config.flink.checkpoint_dir / "failed-once")
 
 
 if __name__ == "__main__":

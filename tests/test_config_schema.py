@@ -54,7 +54,7 @@ def test_messages_name_the_key_in_the_users_terms(overrides: dict, message: str)
         ({"batching.batch_size": 0, "kafka.topic": "x"}, "kafka.topic: unknown key (known: bootstrap_servers, "
          "delivery, group_id, input_topic, partitions, properties, result_topic, transaction_timeout_ms)"),
         ({"testing.fail_inference_at_batch": 1}, "testing: unknown key (known: batching, device, flink, http, "
-         "kafka, limits, model, postprocess, preprocess)"),
+         "kafka, limits, model, models, postprocess, preprocess)"),
         ({"source": "elsewhere.yaml"}, "source: unknown key"),
         ({IMAGES: {"a": {"colour": "RGB"}}}, "preprocess.images.a.colour: unknown key (known: channels, dtype,"),
     ],

@@ -10,9 +10,9 @@ import pytest
 from pyflink.common import Row
 
 import job.decode
-from conf import LimitsConfig, PreprocessConfig
+from conf import LimitsConfig
 from connectors.codec import Message, encode_message
-from job.decode import decode_records
+from job.decode import decode_records, prepare_instances
 from job.preprocess import prepare_values
 
 LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=10_000)
@@ -21,7 +21,7 @@ URIS = ["a", "boom", "b"]
 
 def records(*extra: Row) -> list[Row]:
     """One valid request per uri of URIS, x filled with the uri's index, then `extra`. Format 1:
-    the decoder prepares its values (format 2 holds only dense tensors, which need no preparing)."""
+    its values are prepared (format 2 holds only dense tensors, which need no preparing)."""
     valid = [
         Row(uri, encode_message(Message(uri, {"x": np.full(3, i, np.float32)}), version=1))
         for i, uri in enumerate(URIS)
@@ -39,10 +39,11 @@ def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
 
     monkeypatch.setattr(job.decode, "prepare_values", prepare)
     with caplog.at_level(logging.WARNING, logger="job.decode"):
-        batch, dropped = decode_records(records(), LIMITS, PreprocessConfig(images={}))
-    assert [message.uri for message in batch.instances] == ["a", "b"] and dropped == 0
-    assert batch.instances[1].tensors["x"].tolist() == [2.0, 2.0, 2.0]
-    assert [(message.uri, message.error) for message in batch.rejected] == [
+        batch, dropped = decode_records(records(), LIMITS)
+        ready, rejected = prepare_instances(batch.instances, {}, LIMITS)
+    assert [message.uri for message in ready] == ["a", "b"] and dropped == 0
+    assert ready[1].tensors["x"].tolist() == [2.0, 2.0, 2.0]
+    assert [(message.uri, message.error) for message in rejected] == [
         ("boom", "invalid input: RuntimeError: a bug in preprocessing")
     ]
     assert "uri=boom invalid input: RuntimeError: a bug in preprocessing" in caplog.text
@@ -59,7 +60,7 @@ def test_an_unexpected_exception_reading_one_record_is_its_error_result(monkeypa
 
     monkeypatch.setattr(job.decode, "decode_message", decode)
     keyless = Row(None, encode_message(Message("keyless", {"x": np.zeros(1)})))
-    batch, dropped = decode_records(records(keyless), LIMITS, PreprocessConfig(images={}))
+    batch, dropped = decode_records(records(keyless), LIMITS)
     assert [message.uri for message in batch.instances] == ["a", "b"]
     assert [(message.uri, message.error) for message in batch.rejected] == [("boom", "bad request: KeyError: 'cs.uri'")]
     assert dropped == 1

@@ -1,10 +1,17 @@
 package clusterserving.flink;
 
+import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
+import java.util.Collections;
+import java.util.Iterator;
+import java.util.LinkedHashMap;
 import java.util.List;
+import java.util.Map;
+import java.util.Objects;
 import org.apache.flink.api.common.operators.ProcessingTimeService.ProcessingTimeCallback;
 import org.apache.flink.api.common.state.ListState;
 import org.apache.flink.api.common.state.ListStateDescriptor;
+import org.apache.flink.api.common.state.OperatorStateStore;
 import org.apache.flink.api.common.typeinfo.Types;
 import org.apache.flink.runtime.state.StateInitializationContext;
 import org.apache.flink.runtime.state.StateSnapshotContext;
@@ -12,92 +19,239 @@ import org.apache.flink.streaming.api.operators.AbstractStreamOperator;
 import org.apache.flink.streaming.api.operators.OneInputStreamOperator;
 import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
 import org.apache.flink.types.Row;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
 
 /**
- * Groups Row(uri, payload) requests and emits one frame (BatchFrames) per micro-batch, at batchSize
- * requests, maxBatchBytes of payload, or maxDelayMs after the first request waiting.
+ * Groups Row(uri, payload, model, version, control) requests (KeyValueDeserializationSchema) by
+ * their route, the (model, version) their headers name ("" when absent), and emits one frame
+ * (BatchFrames) per micro-batch of one route: at the route's batch size, maxBatchBytes of payload,
+ * or the route's max delay after its first request waiting (0: at once). Batch size and max delay
+ * come from the routing table (RoutingTable) entry of the model, the default model's for "" or a
+ * model the table does not know (Python answers those with an error result).
  *
  * <p>An operator of its own rather than a keyed function, so that it chains to the Kafka source:
  * no network exchange, no per-record serialization, no buffer timeout between them. Waiting
- * requests are operator state, written at every checkpoint, so a checkpoint taken while a batch
- * fills includes them: after a restore (at any parallelism: the lists are redistributed) they are
- * flushed, never lost with their offsets already committed. In the JVM because a Python batcher
- * cost a Python call and a state access per request.
+ * requests are operator state (with their route), written at every checkpoint, so a checkpoint
+ * taken while a batch fills includes them: after a restore (at any parallelism: the lists are
+ * redistributed) they are flushed, never lost with their offsets already committed. In the JVM
+ * because a Python batcher cost a Python call and a state access per request.
+ *
+ * <p>A control record (the job's repository poller writes one to every partition of the input
+ * topic when the repository changes) carries a new table: one with a newer generation flushes
+ * every pending batch, each its own frame, under the old table, is adopted, and goes on to Python
+ * as a control frame, so that the switch is a position in the Kafka log, the same on a replay. A
+ * malformed one (the topic is open to any producer) is logged once and ignored. The table is
+ * operator state too, as union list state: after a restore every subtask takes the newest
+ * generation among the restored tables and the one given to the constructor (a new job start with
+ * a changed repository). Python keeps no state, so the first frame after open() is always a
+ * control frame with the current table: the Python stages learn the table the restored batches
+ * were made by before they meet one.
  */
 public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         implements OneInputStreamOperator<Row, byte[]>, ProcessingTimeCallback {
     private static final long serialVersionUID = 1L;
-    private final int batchSize;
-    private final long maxDelayMs;
-    private final long maxBatchBytes;
-    private transient ListState<Row> checkpointed;
-    private transient List<Row> pending;
-    private transient long pendingBytes;
-    private transient long deadline;
+    private static final Logger LOG = LoggerFactory.getLogger(MicroBatchOperator.class);
+    // Row(model, version, uri, payload): a new name, so that the Row(uri, payload) state of the
+    // batcher before routes ("pending") is never read as this layout.
+    private static final String PENDING_STATE = "pending-routed";
+    private static final String LEGACY_PENDING_STATE = "pending";
+    private static final String TABLE_STATE = "routing-table";
+    private static final int URI = 0;
+    private static final int PAYLOAD = 1;
+    private static final int MODEL = 2;
+    private static final int VERSION = 3;
+    private static final int CONTROL = 4;
 
-    public MicroBatchOperator(int batchSize, long maxDelayMs, long maxBatchBytes) {
-        this.batchSize = batchSize;
-        this.maxDelayMs = maxDelayMs;
+    private final String tableText;
+    private final long maxBatchBytes;
+    private transient RoutingTable table;
+    private transient ListState<Row> checkpointed;
+    private transient ListState<String> checkpointedTable;
+    private transient Map<Route, Batch> pending;
+    private transient List<Row> restored;
+
+    /** Fails (IllegalArgumentException) on a malformed table: the job's own table must be one. */
+    public MicroBatchOperator(String tableText, long maxBatchBytes) {
+        RoutingTable.parse(tableText);
+        this.tableText = tableText;
         this.maxBatchBytes = maxBatchBytes;
     }
 
     @Override
     public void initializeState(StateInitializationContext context) throws Exception {
         super.initializeState(context);
-        checkpointed = context.getOperatorStateStore().getListState(
-            new ListStateDescriptor<>("pending", Types.ROW(Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
-        pending = new ArrayList<>();
-        pendingBytes = 0;
-        deadline = Long.MAX_VALUE;
-        for (Row request : checkpointed.get()) {
-            pending.add(request);
-            pendingBytes += BatchFrames.payload(request).length;
+        OperatorStateStore store = context.getOperatorStateStore();
+        table = RoutingTable.parse(tableText);
+        checkpointedTable = store.getUnionListState(new ListStateDescriptor<>(TABLE_STATE, Types.STRING));
+        for (String text : checkpointedTable.get()) {
+            RoutingTable candidate = parseOrWarn(text, "a restored routing table");
+            if (candidate != null && candidate.generation > table.generation) {
+                table = candidate;
+            }
         }
+        checkpointed = store.getListState(new ListStateDescriptor<>(
+            PENDING_STATE, Types.ROW(Types.STRING, Types.STRING, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
+        restored = new ArrayList<>();
+        for (Row request : checkpointed.get()) {
+            restored.add(request);
+        }
+        if (store.getRegisteredStateNames().contains(LEGACY_PENDING_STATE)) {
+            // A checkpoint of the batcher before routes: its requests were all for the one model.
+            ListState<Row> legacy = store.getListState(new ListStateDescriptor<>(
+                LEGACY_PENDING_STATE, Types.ROW(Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
+            for (Row request : legacy.get()) {
+                restored.add(Row.of("", "", request.getField(0), request.getField(1)));
+            }
+            legacy.clear();
+        }
+        pending = new LinkedHashMap<>();
     }
 
     @Override
     public void open() throws Exception {
         super.open();
-        if (!pending.isEmpty()) {
-            startWaiting(); // restored requests: flushed within max_delay_ms like any others
+        output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
+        // Restored requests batch like new ones: flushed within their route's max delay, or at once.
+        for (Row request : restored) {
+            add(new Route((String) request.getField(0), (String) request.getField(1)),
+                Row.of(request.getField(2), request.getField(3)));
         }
+        restored = null;
     }
 
     @Override
     public void processElement(StreamRecord<Row> element) {
         Row request = element.getValue();
-        pending.add(request);
-        pendingBytes += BatchFrames.payload(request).length;
-        if (pending.size() >= batchSize || pendingBytes >= maxBatchBytes || maxDelayMs == 0) {
-            flush();
-        } else if (pending.size() == 1) {
-            startWaiting();
+        if (request.getArity() > CONTROL && Boolean.TRUE.equals(request.getField(CONTROL))) {
+            control((byte[]) request.getField(PAYLOAD));
+        } else {
+            add(new Route(text(request, MODEL), text(request, VERSION)), request);
         }
     }
 
     @Override
     public void onProcessingTime(long time) {
-        // A timer of a batch flushed early (full) may still fire: it is not this batch's.
-        if (time >= deadline && !pending.isEmpty()) {
-            flush();
+        // A timer of a batch flushed early (full, or by a control record) may still fire: the
+        // batch of its route now, if any, has a later deadline.
+        Iterator<Map.Entry<Route, Batch>> batches = pending.entrySet().iterator();
+        while (batches.hasNext()) {
+            Map.Entry<Route, Batch> batch = batches.next();
+            if (batch.getValue().deadline <= time) {
+                emit(batch.getKey(), batch.getValue());
+                batches.remove();
+            }
         }
+    }
+
+    /** The end of a bounded input (or stop --drain): what waits goes out now. */
+    @Override
+    public void finish() throws Exception {
+        flushAll();
+        super.finish();
     }
 
     @Override
     public void snapshotState(StateSnapshotContext context) throws Exception {
         super.snapshotState(context);
-        checkpointed.update(pending);
+        List<Row> requests = new ArrayList<>();
+        for (Map.Entry<Route, Batch> batch : pending.entrySet()) {
+            Route route = batch.getKey();
+            for (Row request : batch.getValue().requests) {
+                requests.add(Row.of(route.model, route.version, request.getField(URI), request.getField(PAYLOAD)));
+            }
+        }
+        checkpointed.update(requests);
+        checkpointedTable.update(Collections.singletonList(table.text));
     }
 
-    private void startWaiting() {
-        deadline = getProcessingTimeService().getCurrentProcessingTime() + maxDelayMs;
-        getProcessingTimeService().registerTimer(deadline, this);
+    private void add(Route route, Row request) {
+        Batch batch = pending.get(route);
+        if (batch == null) {
+            batch = new Batch();
+            pending.put(route, batch);
+        }
+        batch.requests.add(request);
+        batch.bytes += BatchFrames.payload(request).length;
+        RoutingTable.Entry entry = table.entryFor(route.model);
+        if (batch.requests.size() >= entry.batchSize || batch.bytes >= maxBatchBytes || entry.maxDelayMs == 0) {
+            emit(route, batch);
+            pending.remove(route);
+        } else if (batch.requests.size() == 1) {
+            batch.deadline = getProcessingTimeService().getCurrentProcessingTime() + entry.maxDelayMs;
+            getProcessingTimeService().registerTimer(batch.deadline, this);
+        }
     }
 
-    private void flush() {
-        output.collect(new StreamRecord<>(BatchFrames.encode(pending)));
-        pending = new ArrayList<>();
-        pendingBytes = 0;
-        deadline = Long.MAX_VALUE;
+    private void control(byte[] value) {
+        String text = value == null ? "" : new String(value, StandardCharsets.UTF_8);
+        RoutingTable next = parseOrWarn(text, "a control record of the input topic");
+        if (next == null) {
+            return;
+        }
+        if (next.generation <= table.generation) {
+            // Every partition carries the marker: a subtask reading several meets it more than once.
+            LOG.debug("routing table generation {} is not newer than {}: ignored", next.generation, table.generation);
+            return;
+        }
+        flushAll();
+        table = next;
+        LOG.info("routing table generation {}: default model {}, models {}", table.generation, table.defaultModel,
+            table.entries.keySet());
+        output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
+    }
+
+    private void flushAll() {
+        for (Map.Entry<Route, Batch> batch : pending.entrySet()) {
+            emit(batch.getKey(), batch.getValue());
+        }
+        pending.clear();
+    }
+
+    private void emit(Route route, Batch batch) {
+        output.collect(new StreamRecord<>(BatchFrames.encodeBatch(route.model, route.version, batch.requests)));
+    }
+
+    private static RoutingTable parseOrWarn(String text, String what) {
+        try {
+            return RoutingTable.parse(text);
+        } catch (IllegalArgumentException e) {
+            LOG.warn("ignoring {}: not a routing table ({})", what, e.getMessage());
+            return null;
+        }
+    }
+
+    private static String text(Row request, int field) {
+        Object value = request.getArity() > field ? request.getField(field) : null;
+        return value == null ? "" : (String) value;
+    }
+
+    /** A batch's key: the model and version as the request's headers said ("" when absent). */
+    private static final class Route {
+        final String model;
+        final String version;
+
+        Route(String model, String version) {
+            this.model = model == null ? "" : model;
+            this.version = version == null ? "" : version;
+        }
+
+        @Override
+        public boolean equals(Object other) {
+            return other instanceof Route && model.equals(((Route) other).model)
+                && version.equals(((Route) other).version);
+        }
+
+        @Override
+        public int hashCode() {
+            return Objects.hash(model, version);
+        }
+    }
+
+    /** The requests waiting for one route, their payload bytes, and when they are due. */
+    private static final class Batch {
+        final List<Row> requests = new ArrayList<>();
+        long bytes;
+        long deadline = Long.MAX_VALUE;
     }
 }

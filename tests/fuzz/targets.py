@@ -15,8 +15,9 @@ guided), `tests/test_fuzz.py` replays the seed corpus through them in-process. W
   process's peak RSS grow by more than `IMAGE_RSS_GROWTH_MB` (PIL allocates with malloc, which
   tracemalloc does not see; a pixel bomb that slips past `MAX_PIXELS` shows up here). Pillow is
   configured as the decode stage configures it (`production_pillow`).
-- `batch`: `decode_records(records, LIMITS, PREPROCESS)` raises anything at all, or loses count of
-  a record (instances + rejected + dropped must equal the records in).
+- `batch`: `decode_records(records, LIMITS)`, then `prepare_instances` with PREPROCESS's images,
+  raises anything at all, or loses count of a record (instances + rejected + dropped must equal
+  the records in).
 
 Strict mode (`STRICT = True`, `--strict` of fuzz_decoder.py, or FUZZ_STRICT=1): the job's stages
 turn any exception into an error result (an escaped one would restart the job), which also hides
@@ -302,21 +303,23 @@ def _key(mode: int, payload: bytes | None) -> str | None:
 
 
 def check_batch(data: bytes) -> None:
-    from job.decode import decode_records  # imports pyflink: only the batch target pays for it
+    from job.decode import decode_records, prepare_instances  # imports pyflink: only the batch target pays for it
 
     records = unpack_records(data)
     if STRICT:
         for _, payload in records:
             check_decoder(payload or b"")
     with production_pillow(LIMITS.max_image_pixels):
-        batch, dropped = decode_records(records, LIMITS, PREPROCESS)
-    if len(batch.instances) + len(batch.rejected) + dropped != len(records):
-        raise FuzzBug(f"{len(records)} records in, {len(batch.instances)} instances + "
-                      f"{len(batch.rejected)} rejected + {dropped} dropped out")
-    for message in batch.rejected:
+        batch, dropped = decode_records(records, LIMITS)
+        instances, refused = prepare_instances(batch.instances, PREPROCESS.images, LIMITS)
+    rejected = batch.rejected + refused
+    if len(instances) + len(rejected) + dropped != len(records):
+        raise FuzzBug(f"{len(records)} records in, {len(instances)} instances + "
+                      f"{len(rejected)} rejected + {dropped} dropped out")
+    for message in rejected:
         if not message.error or not message.uri or len(message.uri) > MAX_URI_CHARS:
             raise FuzzBug(f"rejected record without an error or a usable uri: {message!r}")
-    for message in batch.instances:
+    for message in instances:
         for name, value in message.tensors.items():
             if not isinstance(value, np.ndarray):
                 raise FuzzBug(f"instance {message.uri!r}: {name!r} prepared to a {type(value).__name__}")

@@ -1,0 +1,110 @@
+"""Swaps without downtime: the job's driver polls the model repository and, when what should be
+served changes, writes the new routing table as a control record to every partition of the request
+topic.
+
+Why a record in the request stream rather than a control topic or a switch inside the job: the
+switch point is then a position in the Kafka log. The JVM batcher flushes the batches it holds when
+it reads the record, and the Python stage adopts the table after answering them, so requests before
+the record are served by the old versions and those after it by the new. The table is checkpointed
+with the Kafka positions, so a restore replays requests with the table that held when they were
+first read, and meets the record again at the same place: nothing is served twice by two versions,
+nothing is lost. Polling (as Triton's poll mode) needs nothing from the operator but copying a
+folder; a version is checked by opening it here first, so a broken one is reported, once, and never
+reaches the job while the version before it keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kafka import KafkaProducer
+
+from conf import ConfigError, ServingConfig
+from conf.repository import Repository, RoutingTable, Servable, scan
+from connectors.admin import client_properties
+from job.servables import open_version, stage_function
+
+log = logging.getLogger(__name__)
+CONTROL_HEADER = "cluster-serving-control"
+
+
+def send_table(config: ServingConfig, table: RoutingTable) -> None:
+    """The control record, on every partition of the request topic (each source reader must meet it)."""
+    kafka = config.kafka
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", **client_properties(kafka))
+    try:
+        for partition in sorted(producer.partitions_for(kafka.input_topic) or [0]):
+            producer.send(kafka.input_topic, value=table.text().encode(), partition=partition,
+                          headers=[(CONTROL_HEADER, b"table")])
+        producer.flush(30)
+    finally:
+        producer.close(5)
+
+
+class RepositoryWatch:
+    """What the running job was told to serve, and the check that tells it something new."""
+
+    def __init__(self, config: ServingConfig, repository: Repository, table: RoutingTable):
+        self.config = config
+        self.servables = dict(repository.servables)
+        self.table = table
+        self.checked: dict[tuple[str, int], tuple[Path, float, int, bool]] = {}
+        self.reported: set[str] = set()
+
+    def poll(self) -> RoutingTable | None:
+        """Sends and returns a new table when the repository serves something else; None if not."""
+        try:
+            repository = scan(self.config)
+        except ConfigError as exc:
+            self._report(str(exc))
+            return None
+        servables = dict(repository.servables)
+        for name, problem in repository.problems.items():
+            self._report(f"model {name}: {problem}; {'its last good reading serves' if name in self.servables else 'not served'}")
+            if name in self.servables:
+                servables[name] = self.servables[name]
+        left_out = frozenset(
+            (name, version)
+            for name, servable in servables.items() if not servable.is_pipeline
+            for version in servable.files if not self._opens(servable, version)
+        )
+        table = RoutingTable.of(Repository(servables, repository.default), left_out)
+        self.servables = servables
+        if table.same_serving(self.table):
+            return None
+        send_table(self.config, table)
+        log.info("repository changed: now serving %s (routing table %d sent)", _described(table), table.generation)
+        self.table = table
+        return table
+
+    def _opens(self, servable: Servable, version: int) -> bool:
+        """Whether a version opens and fits its servable.yaml; checked once per state of its file."""
+        path = servable.path(version)
+        try:
+            stat = path.stat()
+        except OSError:
+            return False
+        key = (servable.name, version)
+        state = (path, stat.st_mtime, stat.st_size)
+        if key in self.checked and self.checked[key][:3] == state:
+            return self.checked[key][3]
+        try:
+            open_version(servable, version, self.config.device, self.config.model.threads)
+            for stage, kind in ((servable.config.preprocess, "preprocess"), (servable.config.postprocess, "postprocess")):
+                stage_function(servable, stage, kind)
+            fits = True
+        except Exception as exc:  # ModelError, ConfigError, or whatever servable.py raises on import
+            log.error("model %s version %d not served: %s", servable.name, version, exc)
+            fits = False
+        self.checked[key] = (*state, fits)
+        return fits
+
+    def _report(self, problem: str) -> None:
+        if problem not in self.reported:
+            self.reported.add(problem)
+            log.error("repository: %s", problem)
+
+
+def _described(table: RoutingTable) -> str:
+    return "; ".join(f"{name} versions {list(entry.versions) or '-'}" for name, entry in table.entries.items())

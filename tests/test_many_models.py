@@ -1,0 +1,232 @@
+"""Many models end to end on real parts: a model repository with versions, a pipeline, stages,
+swaps while requests flow, and a broken version, served by an embedded job over the local broker.
+Every result is compared with ONNX Runtime run directly on the model and version that served it."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+from client import InputQueue, OutputQueue
+from tests.conftest import collect
+from tests.onnx_models import graph_model
+
+WIDTH = 4
+
+
+def scale_model(path: Path, factor: float) -> Path:
+    """y = factor * x: versions differ by their factor, so a result names the version that made it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.array(factor, np.float32), "factor")
+    node = helper.make_node("Mul", ["x", "factor"], ["y"])
+    return graph_model(path, [("x", TensorProto.FLOAT, [WIDTH])], [node], [("y", TensorProto.FLOAT, [WIDTH])], (weight,))
+
+
+def total_model(path: Path) -> Path:
+    """total = x @ [1, 2, 3, 4]: one number per instance."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.arange(1, WIDTH + 1, dtype=np.float32).reshape(WIDTH, 1), "weights")
+    node = helper.make_node("MatMul", ["x", "weights"], ["total"])
+    return graph_model(path, [("x", TensorProto.FLOAT, [WIDTH])], [node], [("total", TensorProto.FLOAT, [1])], (weight,))
+
+
+def write_servable(folder: Path, settings: dict, stages: str | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "servable.yaml").write_text(yaml.safe_dump(settings))
+    if stages is not None:
+        (folder / "servable.py").write_text(stages)
+
+
+def run_directly(model: Path, x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(model)).run(None, {"x": x[np.newaxis]})[0][0]
+
+
+REFUSE_NEGATIVE = '''
+def refuse_negative(batch):
+    """Batched preprocess: doubles x, raises when any instance has a negative first value."""
+    for inputs in batch:
+        if inputs["x"][0] < 0:
+            raise ValueError("negative first value")
+    return [{"x": inputs["x"] * 2} for inputs in batch]
+'''
+
+
+def build_repository(root: Path) -> Path:
+    """scale (versions 1 and 2, all served), total, a pipeline scale v2 -> total, and staged (a
+    batched preprocess function that refuses some instances)."""
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    scale_model(root / "scale" / "2" / "model.onnx", 3.0)
+    write_servable(root / "scale", {"version_policy": "all", "batching": {"batch_size": 16, "max_delay_ms": 5}})
+    total_model(root / "total" / "1" / "model.onnx")
+    write_servable(root / "chain", {
+        "kind": "pipeline",
+        "steps": [{"model": "scale", "version": 2}, {"model": "total", "inputs": {"x": "scale.y"}}],
+    })
+    scale_model(root / "staged" / "1" / "model.onnx", 1.0)
+    write_servable(root / "staged", {"preprocess": {"function": "refuse_negative", "batched": True}}, REFUSE_NEGATIVE)
+    return root
+
+
+def expected(root: Path, model: str | None, version: int | None, x: np.ndarray) -> tuple[str, int, dict]:
+    """(model, version, outputs) that ONNX Runtime gives run directly; no model: the default, total."""
+    if model == "chain":
+        y = run_directly(root / "scale" / "2" / "model.onnx", x)
+        return "chain", 1, {"total": run_directly(root / "total" / "1" / "model.onnx", y)}
+    if model == "scale":
+        served = version or 2
+        return "scale", served, {"y": run_directly(root / "scale" / str(served) / "model.onnx", x)}
+    return "total", 1, {"total": run_directly(root / "total" / "1" / "model.onnx", x)}
+
+
+def queues(config) -> tuple[InputQueue, OutputQueue]:
+    kafka = config.kafka
+    return (
+        InputQueue(kafka.bootstrap_servers, kafka.input_topic),
+        OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"),
+    )
+
+
+ROUTES = [("scale", None), ("scale", 1), ("scale", 2), ("total", None), ("total", 1), ("chain", None), (None, None)]
+
+
+def test_two_thousand_mixed_requests_match_each_version_and_the_chained_pipeline(tmp_path, write_config, start_job) -> None:
+    root = build_repository(tmp_path / "models")
+    path, config = write_config(models={"repository": str(root), "default": "total"})
+    start_job(path, config)
+    rng = np.random.default_rng(7)
+    picks = random.Random(7)
+    requests = [(f"r{i}", *picks.choice(ROUTES), rng.normal(size=WIDTH).astype(np.float32)) for i in range(2000)]
+    inputs, outputs = queues(config)
+    with inputs, outputs:
+        for uri, model, version, x in requests:
+            inputs.enqueue(uri, model=model, version=version, x=x)
+        inputs.flush()
+        results = collect(outputs, len(requests), timeout=180)
+        assert outputs.store.duplicates == 0
+    assert sorted(results) == sorted(uri for uri, *_ in requests)
+    for uri, model, version, x in requests:
+        result = results[uri]
+        name, served, want = expected(root, model, version, x)
+        assert "error" not in result, (uri, model, version, result)
+        assert (result.model, result.version) == (name, served), (uri, model, version)
+        for output, value in want.items():
+            np.testing.assert_allclose(result[output], value, rtol=1e-6)
+
+
+def test_unknown_models_and_versions_and_a_raising_stage_answer_those_uris_only(tmp_path, write_config, start_job) -> None:
+    root = build_repository(tmp_path / "models")
+    path, config = write_config(models={"repository": str(root), "default": "total"})
+    start_job(path, config)
+    x = np.arange(WIDTH, dtype=np.float32)
+    negative = {f"neg-{i}" for i in range(0, 40, 3)}
+    inputs, outputs = queues(config)
+    with inputs, outputs:
+        inputs.enqueue("nobody", model="nobody", x=x)
+        inputs.enqueue("scale-9", model="scale", version=9, x=x)
+        for i in range(40):
+            uri = f"neg-{i}" if f"neg-{i}" in negative else f"pos-{i}"
+            inputs.enqueue(uri, model="staged", x=-x - 1 if uri in negative else x + i)
+        inputs.flush()
+        results = collect(outputs, 42, timeout=120)
+    assert results["nobody"]["error"] == "unknown model 'nobody'; the repository serves chain, scale, staged, total"
+    assert results["scale-9"]["error"] == "model 'scale' has no version 9; it serves 1, 2"
+    failed = {uri for uri, result in results.items() if uri.startswith(("neg-", "pos-")) and "error" in result}
+    assert failed == negative
+    for uri in failed:
+        assert results[uri]["error"] == "preprocess failed: ValueError: negative first value"
+    for i in range(40):
+        if f"pos-{i}" in results:
+            np.testing.assert_allclose(results[f"pos-{i}"]["y"], (x + i) * 2)
+
+
+def swap_in(folder: Path, factor: float) -> None:
+    """A new version as an operator should add one: written aside, then renamed into place."""
+    staging = folder.parent / f".{folder.name}.tmp"
+    scale_model(staging / "model.onnx", factor)
+    staging.rename(folder)
+
+
+class SteadySender(threading.Thread):
+    """Sends numbered requests to `scale` (no version) at a steady rate until stopped."""
+
+    def __init__(self, inputs: InputQueue, rate: float):
+        super().__init__(daemon=True)
+        self.inputs, self.rate, self.sent = inputs, rate, 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self.halt.is_set():
+            self.inputs.enqueue(f"s{self.sent:06d}", model="scale", x=np.full(WIDTH, self.sent, np.float32))
+            self.sent += 1
+            pause = started + self.sent / self.rate - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+        self.inputs.flush()
+
+
+def test_a_swap_under_load_loses_nothing_serves_nothing_twice_and_switches_once(tmp_path, write_config, start_job) -> None:
+    root = tmp_path / "models"
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5})
+    start_job(path, config)
+    inputs, outputs = queues(config)
+    with inputs, outputs:
+        sender = SteadySender(inputs, rate=200)
+        sender.start()
+        time.sleep(4)
+        swap_in(root / "scale" / "2", 3.0)
+        time.sleep(4)
+        shutil.rmtree(root / "scale" / "1")
+        time.sleep(4)
+        sender.halt.set()
+        sender.join()
+        results = collect(outputs, sender.sent, timeout=120)
+        assert outputs.store.duplicates == 0
+    uris = [f"s{i:06d}" for i in range(sender.sent)]
+    assert sorted(results) == uris, f"{len(set(uris) - set(results))} lost"
+    versions = [results[uri].version for uri in uris]
+    switch = versions.index(2)
+    assert set(versions[:switch]) == {1} and set(versions[switch:]) == {2}, "not one switch from version 1 to 2"
+    for i, uri in enumerate(uris):
+        np.testing.assert_allclose(results[uri]["y"], np.full(WIDTH, i * (2.0 if i < switch else 3.0)))
+
+
+def test_a_broken_new_version_is_reported_once_and_the_old_one_keeps_serving(tmp_path, write_config, start_job) -> None:
+    root = tmp_path / "models"
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    write_servable(root / "scale", {"inputs": ["x"]})
+    path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5})
+    job = start_job(path, config)
+    (root / "scale" / "2").mkdir()
+    (root / "scale" / "2" / "model.onnx").write_bytes(b"not an onnx model")
+    renamed_input = tmp_path / "renamed.onnx"  # takes z where servable.yaml says x
+    graph_model(renamed_input, [("z", TensorProto.FLOAT, [WIDTH])], [helper.make_node("Identity", ["z"], ["y"])],
+                [("y", TensorProto.FLOAT, [WIDTH])])
+    (root / "scale" / "3").mkdir()
+    shutil.copy(renamed_input, root / "scale" / "3" / "model.onnx")
+    time.sleep(3)  # several polls
+    inputs, outputs = queues(config)
+    with inputs, outputs:
+        for i in range(100):
+            inputs.enqueue(f"b{i}", model="scale", x=np.full(WIDTH, i, np.float32))
+        inputs.flush()
+        results = collect(outputs, 100, timeout=120)
+    assert sorted(results) == sorted(f"b{i}" for i in range(100))
+    for i in range(100):
+        assert results[f"b{i}"].version == 1
+        np.testing.assert_allclose(results[f"b{i}"]["y"], np.full(WIDTH, 2.0 * i))
+    log = job.log_path.read_text(errors="replace") + "".join(
+        flink_log.read_text(errors="replace") for flink_log in (path.parent / "log").glob("*.log")
+    )
+    for version in (2, 3):
+        reports = [line for line in log.splitlines() if f"model scale version {version} not served" in line]
+        assert len(reports) == 1, reports
