@@ -43,6 +43,19 @@ def gpu_name() -> str | None:
     return answer.stdout.strip().splitlines()[0] if answer.returncode == 0 and answer.stdout.strip() else None
 
 
+def batch_stats(sizes: list[int], batch_size: int) -> dict[str, Any]:
+    """The batches that served some requests, from the batch_size each one's result carries: a
+    batch of s requests is s results saying s, so there were sum(1/s) batches, and requests /
+    batches is their mean size (each batch counted once, not once per request: a few batches of 1
+    among full ones show). `full_share`: the share of the requests served in a batch of
+    `batch_size`, the configured one. Results without a batch size (errors) are left out."""
+    known = [size for size in sizes if size]
+    batches = sum(1 / size for size in known)
+    return {"batch_size": batch_size, "requests": len(known), "batches": round(batches),
+            "mean_batch": len(known) / batches if batches else float("nan"),
+            "full_share": sum(size >= batch_size for size in known) / len(known) if known else float("nan")}
+
+
 def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
     most = str(args.http_clients[-1])
     ceiling = raw[str(args.batch_size)]
@@ -61,10 +74,41 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
             f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}")
     rows = [("", list(report["models"])), *table_rows(list(report["models"].values()), args)]
     widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(report["models"]))]
-    label_width = max(len(label) for label, _ in rows)
+    # The two-model drain is one figure, not one per model: its rows span the columns.
+    spanning = multi_model_rows(report["multi_model"]) if report.get("multi_model") else []
+    label_width = max(len(label) for label, _ in [*rows, *spanning])
     lines = ["  ".join([label.ljust(label_width), *(cell.ljust(w) for cell, w in zip(cells, widths))]).rstrip()
              for label, cells in rows]
+    lines += [f"{label.ljust(label_width)}  {text}" for label, text in spanning]
     return "\n".join([head, *lines])
+
+
+def multi_model_rows(multi: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, text) for the two-model drain: capacity beside the source model's own drain, then
+    per model the mean size of the batches that served it against its batch_size."""
+    names, alone, source = list(multi["models"]), multi["single_model"], multi["source_model"]
+    stats = list(multi["models"].values())
+
+    def each(cell: Callable[[dict[str, Any]], str]) -> str:
+        return " / ".join(cell(s) for s in stats)
+
+    def share(value: float) -> str:
+        return "n/a" if math.isnan(value) else f"{value:.0%}"
+
+    compared = (f"; {multi['capacity_over_single_model']:#.3g} of the {source} alone ({alone['capacity']:,.0f})"
+                if alone else f"; the {source} alone: not run (--models)")
+    alone_batch = f"; the {source} alone {alone['mean_batch']:.1f}" if alone else ""
+    return [
+        (f"{len(names)} models interleaved, job (req/s)",
+         f"{multi['capacity']:,.0f} (backlog {multi['requests']:,} alternating {', '.join(names)}: "
+         f"the {source} twice){compared}"),
+        (f"{len(names)} models, mean batch {' / '.join(names)}",
+         f"{each(lambda s: format(s['mean_batch'], '.1f'))} of batch_size {each(lambda s: str(s['batch_size']))} "
+         f"({each(lambda s: format(s['batches'], ','))} batches, {each(lambda s: share(s['full_share']))} of "
+         f"requests in full ones){alone_batch}"),
+        (f"{len(names)} models, missing / error / misrouted",
+         f"{multi['missing']} / {multi['errors']} / {multi['misrouted']}"),
+    ]
 
 
 def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[tuple[str, list[str]]]:

@@ -17,9 +17,16 @@ requests), all measured in this run on this machine:
    at half that capacity (or --rate);
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
    requests over a kept-alive connection to the bridge: throughput and latency as they see them;
-5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush).
+5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush);
+6. two models: a repository serving the mlp twice, as models `a` and `b`, each with a servable.yaml
+   of --batch-size and --max-delay-ms; a backlog alternating a, b, a, b ... drained by the job as in
+   3 (--multi-model-requests, 0: left out): capacity, and per model the mean size of the batches
+   that served it (from the batch_size every result carries) against that batch_size, beside the
+   mlp's own drain in this run. The job batches each model apart, so its batches stay full; a
+   batcher that cut a batch wherever the model changes would serve this backlog one at a time.
 Ratios: job capacity / raw ORT at --batch-size, job capacity / plain loop, HTTP at the most clients
-/ raw ORT at --batch-size. In the JSON, rates are requests per second and latencies milliseconds.
+/ raw ORT at --batch-size, two models / the mlp alone. In the JSON, rates are requests per second
+and latencies milliseconds.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import math
 import multiprocessing
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -40,12 +48,13 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import yaml
 from kafka import KafkaConsumer, TopicPartition
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
 from bench.models import BenchModel, bench_models
-from bench.report import json_safe, latency_ms, machine, plural, table, with_ratios
+from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.cli import OneLineParser
 from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from ops.processes import free_port, write_run_config
@@ -68,6 +77,11 @@ LATENCY_LOAD = 0.5
 DRAIN_TIMEOUT_S = 900.0
 DEFAULT_HIDDEN = 256
 PACING_SLEEP_S = 0.001  # the paced sender sleeps only when this far ahead of its schedule
+# The two-model drain: the models of its repository (both the mlp) and its default backlog, half the
+# mlp's: about 2 s of drain at the job's mlp capacity on the 2-core development machine.
+MULTI_MODELS = ("a", "b")
+MULTI_MODEL_SOURCE = "mlp"
+MULTI_MODEL_REQUESTS = 100_000
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Arrival:
     seconds: float
     batch_size: int | None
     error: bool
+    model: str | None = None  # the model that served it, as its result says
 
 
 class ResultReader:
@@ -114,7 +129,8 @@ class ResultReader:
                     if message.uri in self.arrivals:
                         self.duplicates += 1
                         continue
-                    self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None)
+                    self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None,
+                                                         message.model)
 
 
 class PlainLoop(ChildProcess):
@@ -134,9 +150,10 @@ def progress(model: str, text: str) -> None:
 
 
 def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float,
-                sent: dict[str, float]) -> None:
+                sent: dict[str, float], models: tuple[str, ...] = ()) -> None:
     """Sends one request per uri (input `name`, cycling through `samples`), at `rate` per second
-    or as fast as possible (rate 0), with InputQueue.enqueue and one flush at the end."""
+    or as fast as possible (rate 0), with InputQueue.enqueue and one flush at the end; with
+    `models`, request i names models[i % len(models)] (none: the default model)."""
     interval = 1.0 / rate if rate else 0.0
     started = time.perf_counter()
     with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
@@ -145,7 +162,7 @@ def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.n
             if ahead > PACING_SLEEP_S:  # a sleep costs ~60 us: at 10k req/s, one per request fell behind
                 time.sleep(ahead)
             sent[uri] = time.perf_counter()
-            inputs.enqueue(uri, **{name: samples[i % len(samples)]})
+            inputs.enqueue(uri, model=models[i % len(models)] if models else None, **{name: samples[i % len(samples)]})
         inputs.flush()
 
 
@@ -195,12 +212,14 @@ def plain_loop_rate(config_path: Path, config: ServingConfig, topic: str, start:
         loop.stop()
 
 
-def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str]) -> dict[str, Any]:
+def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str],
+                 models: tuple[str, ...] = (), label: str = "") -> dict[str, Any]:
     """Puts the backlog on the input topic before anything serves; the time it takes is the
-    client's enqueue figure (one thread, InputQueue.enqueue per request, one flush)."""
-    progress(model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
+    client's enqueue figure (one thread, InputQueue.enqueue per request, one flush). `models`:
+    the repository's models the requests name in turn (enqueue_all)."""
+    progress(label or model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
     started = time.perf_counter()
-    enqueue_all(config, uris, model.input_name, samples, 0.0, {})
+    enqueue_all(config, uris, model.input_name, samples, 0.0, {}, models)
     rate = len(uris) / (time.perf_counter() - started)
     return {"method": "InputQueue.enqueue, one thread, one flush", "rate": rate,
             "mb_per_s": rate * model.instance_bytes / 1e6}
@@ -275,6 +294,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "plain_loop": plain,
         "capacity": capacity,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
+        "batches": batch_stats(sizes, args.batch_size),
         "latency": latency,
         "http": served,
         "missing": sum(uri not in arrivals for uri in warmup + backlog + paced),
@@ -299,6 +319,68 @@ def http_phases(model: BenchModel, config_path: Path, folder: Path, samples: np.
     return served
 
 
+def two_model_repository(folder: Path, model_path: Path, args: argparse.Namespace) -> Path:
+    """MULTI_MODELS, each version 1 of `model_path` with a servable.yaml of the run's batching."""
+    for name in MULTI_MODELS:
+        (folder / name / "1").mkdir(parents=True)
+        shutil.copyfile(model_path, folder / name / "1" / "model.onnx")
+        batching = {"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms}
+        (folder / name / "servable.yaml").write_text(yaml.safe_dump({"batching": batching}))
+    return folder
+
+
+def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, folder: Path,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 6: the job serving `model` twice from a repository (MULTI_MODELS) drains a backlog of
+    requests naming them in turn, timed as in measure_serving; then every result is read back for
+    the size of the batch that served it and the model that did."""
+    label = f"{len(MULTI_MODELS)} models"
+    repository = two_model_repository(folder / "repository", model_path, args)
+    config_path = write_run_config(
+        folder, model_path, bootstrap,
+        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
+        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
+        models={"repository": str(repository), "default": MULTI_MODELS[0]},
+    )
+    config = load_config(config_path)
+    ensure_topics(config.kafka)
+    samples = model.samples(SAMPLES)
+    backlog = [f"multi-{i}" for i in range(args.multi_model_requests)]
+    warmup = [f"multi-warmup-{i}" for i in range(len(backlog) // 10 if args.warmup is None else args.warmup)]
+    uris = warmup + backlog
+    asked = {uri: MULTI_MODELS[i % len(MULTI_MODELS)] for i, uri in enumerate(uris)}
+    enqueued = fill_backlog(config, model, samples, uris, MULTI_MODELS, label)
+    progress(label, f"starting the job on a repository of {', '.join(MULTI_MODELS)}; it drains the backlog ...")
+    reader = ResultReader(bootstrap, config.kafka.result_topic)
+    job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job-multi-model.log")
+    try:
+        capacity = timed_drain(reader, job, len(warmup), len(uris))
+        reader.read_until(uris, timeout=300)
+    finally:
+        job.stop()
+    arrivals = reader.arrivals
+    served = {
+        name: batch_stats([arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals and asked[uri] == name],
+                          args.batch_size)
+        for name in MULTI_MODELS
+    }
+    return {
+        "description": f"the {model.name} twice, as models {', '.join(MULTI_MODELS)} of one repository, each with "
+                       f"a servable.yaml of batch_size {args.batch_size}; requests alternating "
+                       f"{', '.join(MULTI_MODELS)}, {', '.join(MULTI_MODELS)} ...",
+        "source_model": model.name,
+        "requests": len(backlog),
+        "warmup": len(warmup),
+        "enqueue": enqueued,
+        "capacity": capacity,
+        "models": served,
+        "missing": sum(uri not in arrivals for uri in uris),
+        "errors": sum(arrival.error for arrival in arrivals.values()),
+        # Served by the other model than the request named (a result names its model).
+        "misrouted": sum(uri in arrivals and arrivals[uri].model != asked[uri] for uri in uris),
+    }
+
+
 def client_counts(text: str) -> list[int]:
     counts = sorted({int(part) for part in text.split(",") if part.strip()})
     if not counts or counts[0] < 1:
@@ -320,6 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")
     parser.add_argument("--http-requests-per-client", type=int,
                         help=f"requests per HTTP client (default: per model; {HTTP_MIN_REQUESTS} per phase at least)")
+    parser.add_argument("--multi-model-requests", type=int,
+                        help=f"backlog of the two-model drain, requests alternating {', '.join(MULTI_MODELS)} "
+                             f"(default: --requests, else {MULTI_MODEL_REQUESTS}; 0: no two-model drain)")
     job = defaults()
     parser.add_argument("--batch-size", type=int, default=job.batching.batch_size)
     parser.add_argument("--max-delay-ms", type=int, default=job.batching.max_delay_ms)
@@ -341,13 +426,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--latency-requests: at least 100, or p99 is one request's latency")
     if args.http_requests_per_client is not None and args.http_requests_per_client < 1:
         parser.error("--http-requests-per-client: at least 1")
+    if args.multi_model_requests is None:
+        args.multi_model_requests = args.requests or MULTI_MODEL_REQUESTS
+    elif 0 < args.multi_model_requests < 1000:
+        parser.error("--multi-model-requests: at least 1000, or 0 for no two-model drain")
     return args
 
 
 def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -> dict[str, Any]:
-    """Serving phases for every model on one broker, then raw ONNX Runtime once the broker is down,
-    so nothing else uses the cores while the ceiling is measured."""
+    """Serving phases for every model on one broker (and the two-model drain), then raw ONNX Runtime
+    once the broker is down, so nothing else uses the cores while the ceiling is measured."""
     paths = {name: models[name].build(folder / f"{name}.onnx") for name in args.models}
+    source = models[MULTI_MODEL_SOURCE]
+    source_path = paths.get(source.name) or source.build(folder / f"{source.name}.onnx")
     broker = None if args.bootstrap else LocalBroker(folder / "kafka", port=free_port(), log_path=folder / "broker.log")
     if broker:
         progress("broker", "starting the local Kafka broker ...")
@@ -355,6 +446,8 @@ def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -
     try:
         bootstrap = args.bootstrap or broker.bootstrap_servers
         figures = {name: measure_serving(models[name], paths[name], bootstrap, folder, args) for name in args.models}
+        multi = (measure_two_models(source, source_path, bootstrap, folder, args)
+                 if args.multi_model_requests else None)
     finally:
         if broker:
             broker.stop()
@@ -368,7 +461,11 @@ def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -
         model = models[name]
         results[name] = {"description": model.description, "instance_bytes": model.instance_bytes,
                          "http_protocol": http_protocol(model), **with_ratios(figures[name], raw, args)}
-    return {"machine": machine(", ".join(sorted(set(providers)))), "models": results}
+    if multi is not None:
+        alone = figures.get(source.name)
+        multi["single_model"] = alone and {"capacity": alone["capacity"], "mean_batch": alone["batches"]["mean_batch"]}
+        multi["capacity_over_single_model"] = multi["capacity"] / alone["capacity"] if alone else float("nan")
+    return {"machine": machine(", ".join(sorted(set(providers)))), "models": results, "multi_model": multi}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["settings"] = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     failures = sum(m["missing"] + sum(h["failures"] for h in m["http"].values()) for m in report["models"].values())
+    if report["multi_model"]:
+        failures += report["multi_model"]["missing"] + report["multi_model"]["misrouted"]
     report["ok"] = failures == 0
     print(table(report, args))
     if args.json:
