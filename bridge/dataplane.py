@@ -1,9 +1,14 @@
 """The bridge's transport-neutral core: enqueue instances with fresh uris, await their results.
 
 `Bridge` owns the Kafka producer, the single result-topic reader (`ResultWaiter`), the metrics,
-the limits, the rate limit and the readiness check. It knows no HTTP: it takes instances already
-read from a request and raises `bridge.errors` for what it refuses, and each protocol's router
+the limits, the rate limit, the readiness check and the models served (`bridge.catalog`). It knows
+no HTTP: it takes instances already read from a request, for a model version resolved by the
+catalog, and raises `bridge.errors` for what it refuses, and each protocol's router
 (`bridge.protocol`) turns its requests into calls on it and the errors into its own answers.
+
+The model and version a request names travel to the job as the Kafka record headers `model`
+(UTF-8 name) and `version` (decimal text, absent when the request names none: the newest the job
+serves); the result says which version served it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaProducer
@@ -23,9 +29,9 @@ from kafka.errors import KafkaError
 from bridge.errors import (
     InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unavailable,
 )
+from bridge.catalog import Catalog, Target
 from bridge.metrics import BridgeMetrics
 from connectors.inputs import encode_request
-from bridge.model_info import model_signature
 from connectors.flink_rest import FlinkRest
 from bridge.result_waiter import ResultWaiter
 from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
@@ -36,6 +42,22 @@ log = logging.getLogger("cluster_serving.bridge")
 READINESS_TTL_S = 1.0
 # Error results the job writes for its own failures; all others are about the request.
 SERVER_SIDE_ERRORS = ("inference failed", "postprocess failed", "result not encodable", "unreadable result")
+# Error results for a model or version the job does not serve (it may know more than this bridge).
+UNKNOWN_MODEL_ERRORS = ("unknown model ",)
+
+
+def model_not_served(error: str) -> bool:
+    """Whether a job's error result says the model or version asked for is not served:
+    "unknown model 'x'; the repository serves a, b" or "model 'x' has no version 7; it serves 1, 2"."""
+    return error.startswith(UNKNOWN_MODEL_ERRORS) or (error.startswith("model '") and "has no version" in error)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One predict request's instances and the model version they are for."""
+
+    target: Target
+    instances: list[dict[str, Any]]
 
 
 class TokenBucket:
@@ -57,13 +79,11 @@ class TokenBucket:
 
 
 class Bridge:
-    """One served model behind the Kafka topics, for any number of protocol fronts."""
+    """The served models behind the Kafka topics, for any number of protocol fronts."""
 
     def __init__(self, config: ServingConfig):
         self.config = config
-        self.model_name = config.model.name
-        self.signature = model_signature(config)
-        self.image_inputs = frozenset(config.preprocess.images)
+        self.catalog = Catalog(config)  # reads and checks every served version first
         self.metrics = BridgeMetrics()
         self.token = bearer_token(config.http.token_env)
         http = config.http
@@ -149,10 +169,15 @@ class Bridge:
         if reason:
             raise NotReady(f"not ready: {reason}")
 
-    def check_model(self, name: str) -> None:
-        """Refuses a request for a model other than the one served."""
-        if name != self.model_name:
-            raise ModelNotFound(f"model {name!r} not found; this bridge serves {self.model_name!r}")
+    @property
+    def model_name(self) -> str:
+        """The default model: what BigDL's /predict and requests naming no model get."""
+        return self.catalog.default
+
+    async def target(self, model: str | None = None, version: str | None = None) -> Target:
+        """The model version a request names (None: the default model, its newest version);
+        ModelNotFound, naming what is served, for one the repository does not serve."""
+        return await self.catalog.find(model, version)
 
     def admit(self) -> None:
         """Applies the rate limit to one predict request."""
@@ -165,20 +190,32 @@ class Bridge:
         if count > limit:
             raise TooLarge(f"{count} instances, over the limit of {limit}")
 
-    async def predict(self, read: Callable[[], list[dict[str, Any]]], count: int | None = None) -> list[Message]:
-        """One predict request of any protocol, checked in the order every protocol answers it:
-        the rate limit; the instance count, where the protocol knows it before reading them; then,
-        timed as the request, `read` (the protocol's reading of its instances) and `infer`."""
+    async def predict(
+        self, target: Target, read: Callable[[], list[dict[str, Any]]], count: int | None = None
+    ) -> list[Message]:
+        """One predict request of any protocol for `target`, checked in the order every protocol
+        answers it: the rate limit; the instance count, where the protocol knows it before reading
+        them; then, timed as the request (in total and per model version), `read` (the protocol's
+        reading of its instances) and `infer`."""
         self.admit()
         if count is not None:
             self.check_instance_count(count)
-        with self.metrics.time_request():
-            return await self.infer(read())
+        started = time.perf_counter()
+        results: list[Message] = []
+        try:
+            with self.metrics.time_request():
+                results = await self.infer(Request(target, read()))
+            return results
+        finally:
+            served = results[0].model_version if results and results[0].model_version is not None else None
+            version = target.version_label if served is None else str(served)
+            self.metrics.record_model_request(target.model, version, time.perf_counter() - started, ok=bool(results))
 
-    async def infer(self, instances: list[dict[str, Any]]) -> list[Message]:
+    async def infer(self, request: Request) -> list[Message]:
         """Enqueues each instance under a fresh uri and returns their results in order; the first
         error result fails the whole request."""
         await self.require_ready()
+        instances, headers = request.instances, request.target.headers
         with self.metrics.time_enqueue():
             records = [(f"{self.uri_prefix}{next(self._sequence)}", data) for data in instances]
             payloads = [self._encode(i, uri, data) for i, (uri, data) in enumerate(records)]
@@ -186,7 +223,7 @@ class Bridge:
         futures = [self.waiter.expect(uri) for uri, _ in records]
         try:
             for (uri, _), payload in zip(records, payloads):
-                self._send(uri, payload)
+                self._send(uri, payload, headers)
             with self.metrics.time_wait_result():
                 timeout = self.config.http.request_timeout_s
                 try:
@@ -211,12 +248,13 @@ class Bridge:
             raise TooLarge(f"instance {index}: {len(payload)} bytes encoded, over the limit of {limit}")
         return payload
 
-    def _send(self, uri: str, payload: bytes) -> None:
+    def _send(self, uri: str, payload: bytes, headers: list[tuple[str, bytes]]) -> None:
         assert self.producer is not None and self.waiter is not None
         loop, waiter = asyncio.get_running_loop(), self.waiter
         try:
             sent = self.producer.send(
-                self.config.kafka.input_topic, key=uri.encode(), value=payload, partition=next(self._partitions)
+                self.config.kafka.input_topic, key=uri.encode(), value=payload, headers=headers,
+                partition=next(self._partitions),
             )
         except Exception as exc:
             raise Unavailable(f"could not enqueue the request: {exc}") from None
@@ -224,9 +262,13 @@ class Bridge:
 
     def _result(self, index: int, message: Message) -> Message:
         if message.inference_us is not None:
-            self.metrics.record_inference_us(message.inference_us)
+            self.metrics.record_inference_us(message.inference_us, message.model, message.model_version)
         if message.error is not None:
-            error = InferenceFailed if message.error.startswith(SERVER_SIDE_ERRORS) else InvalidRequest
+            error: type[Exception] = InvalidRequest
+            if message.error.startswith(SERVER_SIDE_ERRORS):
+                error = InferenceFailed
+            elif model_not_served(message.error):
+                error = ModelNotFound
             raise error(f"instance {index}: {message.error}")
         return message
 

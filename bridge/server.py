@@ -60,12 +60,12 @@ def json_error_protocol(metrics: BridgeMetrics) -> type[HttpToolsProtocol]:
 
 def serve(config_path: str | None) -> int:
     """Runs the bridge in the foreground until SIGINT/SIGTERM; 2 with one line on a set-up error
-    (the model, the port, the broker), 130 when stopped while starting."""
+    (the repository or a model in it, the port, the broker), 130 when stopped while starting."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     try:
         config = load_config(config_path)
-        bridge = Bridge(config)  # reads and checks the model first
+        bridge = Bridge(config)  # reads and checks the repository's models first
         listener = listen(config.http.host, config.http.port)
         return asyncio.run(run_bridge(bridge, listener))
     except ConfigError as exc:
@@ -117,7 +117,10 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
         # stall of every waiting request, about once a second under load).
         gc.freeze()
         host, port = listener.getsockname()[:2]
-        log.info("%shttp://%s:%d (model %r)", READY_LINE, host, port, bridge.model_name)
+        log.info(
+            "%shttp://%s:%d (models: %s; default %r)", READY_LINE, host, port, bridge.catalog.reading.describe(),
+            bridge.model_name,
+        )
         await server.serve(sockets=[listener])
     finally:
         await bridge.stop()

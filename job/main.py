@@ -135,7 +135,7 @@ def build_pipeline(
     results.sink_to(result_sink(kafka)).name("kafka-results").uid("kafka-results").set_description(
         f"Kafka topic {kafka.result_topic}, {kafka.delivery.replace('_', ' ')}"
     )
-    name_python_stages(env, "decode", "infer", f"in Python: decode -> {_served(table)} -> encode")
+    name_python_stages(env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({_served(table)}) -> encode")
     drop_committer_gauge_warning()
 
 

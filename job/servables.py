@@ -106,6 +106,9 @@ class Servables:
         for version in versions:
             if servable.is_pipeline:
                 continue
+            if version not in servable.files:  # a table from a control record no poller wrote
+                log.error("model %s version %d: in the routing table but not in the repository", servable.name, version)
+                continue
             if previous is not None and version in previous.models and previous.servable.files.get(version) == servable.files.get(version):
                 models[version] = previous.models[version]
                 continue

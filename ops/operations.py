@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from bridge.model_info import model_signature
+from bridge.model_info import repository_signatures
 from conf import JOB_NAME, ConfigError, ServingConfig
 from connectors.admin import (
     broker_reachable, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
@@ -44,11 +44,11 @@ def broker_to_start(config: ServingConfig) -> int | None:
 
 def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     """What `start` and `demo` check in the CLI's own process before anything starts, so that a
-    mistake is one line and leaves nothing running: the files, the model against the config, Java,
-    the ports the job and the bridge listen on, and the broker (a running one, or what starting the
-    local one needs)."""
+    mistake is one line and leaves nothing running: the files, every served model version against
+    its config, Java, the ports the job and the bridge listen on, and the broker (a running one, or
+    what starting the local one needs)."""
     config.check_files()
-    model_signature(config)
+    repository_signatures(config)  # every served version readable and as its servable.yaml says
     find_java()
     check_port("flink.rest_port", "127.0.0.1", config.flink.rest_port)
     if http:

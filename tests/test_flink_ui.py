@@ -38,7 +38,7 @@ def test_web_ui_reads_as_the_data_flow_and_logs_do_not_repeat(write_config, star
     assert [vertex["name"].split(" -> ") for vertex in details["vertices"]] == [DATA_FLOW]
     # The fused Python stages are one operator, "infer"; its description names them.
     description = html.unescape(details["plan"]["nodes"][0]["description"])
-    assert "decode -> ONNX Runtime (model.onnx) -> encode" in description, description
+    assert "decode -> ONNX Runtime (model v1) -> encode" in description, description
 
     vertex = details["vertices"][0]["id"]
     wanted = {f"0.infer.cluster_serving.{name}" for name in METRICS}
@@ -49,6 +49,8 @@ def test_web_ui_reads_as_the_data_flow_and_logs_do_not_repeat(write_config, star
         time.sleep(1)
     assert wanted <= listed, f"not listed: {sorted(wanted - listed)}"
     assert all(len(name) <= PICKER_CHARS for name in wanted), sorted(wanted)
+    per_version = f"0.infer.cluster_serving.model.{config.model.name}.version.1.batchSize"
+    assert per_version in listed, sorted(listed)
     counted = 0
     while counted < 50 and time.monotonic() < deadline:
         [requests] = job.rest(f"/jobs/{job.job_id}/vertices/{vertex}/metrics?get=0.infer.cluster_serving.requests")

@@ -6,6 +6,8 @@ Blocks are found by their fence: ```python blocks, and ```bash or ```sh blocks t
 `curl`. An HTML comment on the lines just before a fence says more about the block:
 - `<!-- model: FILE -->`: it runs against a job serving FILE, which an earlier block wrote into the
   working folder (the sample model of `cluster-serving init` otherwise);
+- `<!-- repository: DIR -->` (with `<!-- default-model: NAME -->`): it runs against a job serving
+  the model repository DIR, which an earlier block wrote into the working folder;
 - `<!-- expect-error: MESSAGE -->`: it shows a refusal, so it must print or raise MESSAGE (a curl
   command: answer another status than 200, with MESSAGE in its error).
 The README's addresses (the default broker, topics and bridge of conf/config.yaml) are replaced by
@@ -107,7 +109,7 @@ class Stack:
 
 class Stacks:
     """The stacks the blocks run against, each started when a block first needs it, all on one
-    broker: the sample model's, and one per model named by a `model` mark."""
+    broker: the sample model's, and one per model or repository named by a mark."""
 
     def __init__(self, folder: Path, broker: LocalBroker, sample_model: Path):
         self.folder, self.broker, self.sample_model = folder, broker, sample_model
@@ -116,16 +118,25 @@ class Stacks:
 
     def for_block(self, block: Block) -> Stack:
         name = block.marks.get("model", "")
-        if name not in self.started:
-            self.started[name] = self._start(self.folder / name if name else self.sample_model)
-        return self.started[name]
+        repository = block.marks.get("repository", "")
+        key = f"{name}|{repository}"
+        if key not in self.started:
+            models = {}
+            if repository:
+                assert (self.folder / repository).is_dir(), f"no block before this one wrote {repository}/"
+                models = {"repository": str(self.folder / repository), "default": block.marks.get("default-model", "")}
+            self.started[key] = self._start(self.folder / name if name else self.sample_model, models)
+        return self.started[key]
 
-    def _start(self, model: Path) -> Stack:
+    def _start(self, model: Path, models: dict[str, str]) -> Stack:
         assert model.is_file(), f"no block before this one wrote {model.name}"
-        path = write_run_config(self.folder, model, self.broker.bootstrap_servers, flink={"checkpoint_interval_ms": 1000})
+        path = write_run_config(
+            self.folder, model, self.broker.bootstrap_servers, flink={"checkpoint_interval_ms": 1000}, models=models
+        )
         config = load_config(path)
-        job = EmbeddedJob(path, config.flink.rest_port, log_path=self.folder / f"job-{model.stem}.log")
-        bridge = HttpBridge(path, log_path=self.folder / f"bridge-{model.stem}.log")
+        label = Path(models["repository"]).name if models else model.stem
+        job = EmbeddedJob(path, config.flink.rest_port, log_path=self.folder / f"job-{label}.log")
+        bridge = HttpBridge(path, log_path=self.folder / f"bridge-{label}.log")
         self.processes += [bridge, job]  # listed first, so that stop() also ends a half-started stack
         job.start()
         bridge.start()

@@ -1,6 +1,7 @@
 """What the OpenAPI document at /openapi.json says beyond what FastAPI writes by itself: each
 route's error statuses, taken from the error table so the document and the answers agree, and
-the served model's name as the path's example, so generated requests (schemathesis) reach it."""
+the default model's name and newest version as the paths' examples, so generated requests
+(schemathesis) reach them."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def documented(*errors: type[Exception]) -> dict[int | str, dict[str, Any]]:
 
 
 def model_path(bridge: Bridge) -> Any:
-    """The `{model_name}` path parameter, the served name as its example."""
-    return Path(examples=[bridge.model_name], description="the served model's name (model.name)")
+    """The `{model_name}` path parameter, the default model's name as its example."""
+    return Path(examples=[bridge.model_name], description="a model the repository serves (GET /v2/models lists them)")
+
+
+def version_path(bridge: Bridge) -> Any:
+    """The `{model_version}` path parameter, the default model's newest version as its example."""
+    versions = bridge.catalog.reading.servables[bridge.model_name].versions
+    return Path(examples=[str(versions[-1])], description="a version the model serves (a positive integer)")
 
 
 def drop_unused_422(app: FastAPI) -> None:

@@ -1,6 +1,6 @@
 """BigDL Cluster Serving's own HTTP routes: POST /predict (KServe v1's instances and predictions,
-without a model name) and the metrics, as Dropwizard-style JSON (the BigDL guide's) and as
-Prometheus text."""
+without a model name: the repository's default model, its newest version) and the metrics, as
+Dropwizard-style JSON (the BigDL guide's) and as Prometheus text."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def register(app: FastAPI, bridge: Bridge) -> None:
     @predict_route(app, "/predict", response_model=PredictResponse, tags=["BigDL"])
     async def predict(body: PredictRequest) -> dict[str, list[Any]]:
         """BigDL Cluster Serving's predict: one prediction per instance, in order."""
-        return await predict_instances(bridge, body)
+        return await predict_instances(bridge, await bridge.target(), body)
 
     @app.get("/metrics", responses=documented(Unauthenticated), tags=["metrics"])
     async def metrics() -> list[dict[str, Any]]:

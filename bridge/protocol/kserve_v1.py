@@ -1,5 +1,6 @@
 """KServe's v1 protocol (TensorFlow Serving's): `{"instances": [...]}` in, `{"predictions": [...]}`
-out, one prediction per instance, in order; and the model list and model health routes."""
+out, one prediction per instance, in order; and the model list and model health routes. TensorFlow
+Serving's routes name no version: a v1 request is served by the newest version the job serves."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from bridge.catalog import Target
 from bridge.dataplane import Bridge
 from bridge.errors import ModelNotFound, Unauthenticated
 from bridge.http.fast_path import predict_route
@@ -26,11 +28,11 @@ class PredictResponse(BaseModel):
     predictions: list[Any]
 
 
-async def predict_instances(bridge: Bridge, body: PredictRequest) -> dict[str, list[Any]]:
+async def predict_instances(bridge: Bridge, target: Target, body: PredictRequest) -> dict[str, list[Any]]:
     """The predictions for `body`'s instances (BigDL's /predict answers the same way)."""
     instances = body.instances
     results = await bridge.predict(
-        lambda: read_instances(instances, bridge.signature, bridge.image_inputs), count=len(instances)
+        target, lambda: read_instances(instances, target.signature, target.image_inputs), count=len(instances)
     )
     return {"predictions": [prediction(result) for result in results]}
 
@@ -41,14 +43,15 @@ def register(app: FastAPI, bridge: Bridge) -> None:
 
     @app.get("/v1/models", responses=documented(Unauthenticated), tags=TAGS)
     async def v1_models() -> dict[str, list[str]]:
-        return {"models": [bridge.model_name]}
+        """The repository's model names."""
+        return {"models": sorted((await bridge.catalog.refresh()).servables)}
 
     @app.get("/v1/models/{model_name}", responses=documented(Unauthenticated, ModelNotFound), tags=TAGS)
     async def v1_model(model_name: str = name) -> dict[str, Any]:
-        bridge.check_model(model_name)
-        return {"name": bridge.model_name, "ready": await bridge.not_ready_reason() is None}
+        await bridge.catalog.refresh()
+        target = await bridge.target(model_name)
+        return {"name": target.model, "ready": await bridge.not_ready_reason() is None}
 
     @predict_route(app, "/v1/models/{model_name}:predict", response_model=PredictResponse, tags=TAGS)
     async def v1_predict(body: PredictRequest, model_name: str = name) -> dict[str, list[Any]]:
-        bridge.check_model(model_name)
-        return await predict_instances(bridge, body)
+        return await predict_instances(bridge, await bridge.target(model_name), body)
