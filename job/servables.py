@@ -73,6 +73,11 @@ class Served:
     postprocess: StageFunction | None
     models: dict[int, OnnxModel]
 
+    @property
+    def versions(self) -> list[int]:
+        """The versions requests can name: the open ones (a pipeline's own, which opens nothing)."""
+        return list(self.servable.versions) if self.servable.is_pipeline else sorted(self.models)
+
 
 class Servables:
     def __init__(self, config: ServingConfig):
@@ -95,7 +100,7 @@ class Servables:
         self.served, self.table = served, table
         log.info(
             "serving %s (routing table %d)",
-            "; ".join(f"{name} versions {sorted(item.models) or '-'}" for name, item in served.items()) or "nothing",
+            "; ".join(f"{name} versions {item.versions or '-'}" for name, item in served.items()) or "nothing",
             table.generation,
         )
 
@@ -141,10 +146,10 @@ class Servables:
         served = self.served.get(name)
         if served is None:
             raise RouteError(f"unknown model {name!r}; the repository serves {', '.join(sorted(self.served)) or 'nothing'}")
-        listed = sorted(served.models) if not served.servable.is_pipeline else list(served.servable.versions)
+        listed = served.versions
         if not version:
             if not listed:
-                raise RouteError(f"model {name!r} has no version that opened")
+                raise RouteError(f"model {name!r}: none of its versions opened (see the job's log)")
             return served, listed[-1]
         if not version.isdigit() or int(version) not in listed:
             raise RouteError(f"model {name!r} has no version {version}; it serves {', '.join(map(str, listed)) or 'none'}")

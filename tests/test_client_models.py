@@ -22,6 +22,7 @@ from client import InputQueue, OutputQueue
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
 from connectors.inputs import Result, result_of
+from tests.stub_http import JsonHandler
 
 X = np.arange(4, dtype=np.float32)
 BAD_MODELS = ["", "a/b", ".hidden", "-x", "with space", "a" * 65, "ünïcode", 3, b"resnet"]
@@ -186,21 +187,13 @@ def test_output_queue_results_say_what_served_them(broker, format_version: int) 
     np.testing.assert_array_equal(results["r2"]["y"], np.ones(2, np.float32))
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
+class _Recorder(JsonHandler):
     paths: list[str] = []
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         _Recorder.paths.append(self.path)
         self.rfile.read(int(self.headers["Content-Length"]))
-        body = json.dumps({"predictions": [1]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.answer({"predictions": [1]})
 
 
 def test_predict_names_the_model_in_the_v1_route() -> None:

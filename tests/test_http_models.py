@@ -13,7 +13,6 @@ last test runs the real job on the same repository behind the bridge.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +40,7 @@ from ops.children import EmbeddedJob, HttpBridge, LocalBroker
 from ops.processes import free_port, write_run_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
+from tests.stub_http import JsonHandler
 
 F32, F64 = TensorProto.FLOAT, TensorProto.DOUBLE
 
@@ -71,18 +71,9 @@ class FakeFlink(ThreadingHTTPServer):
     """Flink's REST API as the bridge's readiness check asks it: one running serving job."""
 
     def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_GET(self) -> None:  # noqa: N802
-                job = {"jid": "0" * 32, "name": JOB_NAME, "state": "RUNNING", "start-time": 1}
-                body = json.dumps({"jobs": [job]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
+                self.answer({"jobs": [{"jid": "0" * 32, "name": JOB_NAME, "state": "RUNNING", "start-time": 1}]})
 
         super().__init__(("127.0.0.1", free_port()), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
