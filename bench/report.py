@@ -136,6 +136,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),
         row("client InputQueue.enqueue, 1 thread", lambda m: (
             f"{m['enqueue']['rate']:,.0f} req/s, {m['enqueue']['mb_per_s']:.1f} MB/s")),
+        row("client OutputQueue.dequeue, 1 thread", lambda m: (
+            f"{m['dequeue']:,.0f} results/s ({m['dequeue'] / m['capacity']:#.3g} x job capacity)")),
         row(f"ratio job / raw ORT batch {b}", lambda m: f"{m['ratios']['capacity_over_raw_ort']:#.3g}"),
         row("ratio job / plain loop", lambda m: f"{m['ratios']['capacity_over_plain_loop']:#.3g}"),
         row(f"ratio HTTP {plural(most, 'client')} / raw ORT batch {b}",

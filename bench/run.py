@@ -17,7 +17,9 @@ requests), all measured in this run on this machine:
    at half that capacity (or --rate);
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
    requests over a kept-alive connection to the bridge: throughput and latency as they see them;
-5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush);
+5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush),
+   and how fast OutputQueue.dequeue from one thread hands over the job's results, against the
+   job's capacity;
 6. two models: a repository serving the mlp twice, as models `a` and `b`, each with a servable.yaml
    of --batch-size and --max-delay-ms; a backlog alternating a, b, a, b ... drained by the job as in
    3 (--multi-model-requests, 0: left out): capacity, and per model the mean size of the batches
@@ -58,7 +60,7 @@ from bench.report import batch_stats, json_safe, latency_ms, machine, plural, ta
 from ops.cli import OneLineParser
 from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from ops.processes import free_port, write_run_config
-from client.queues import InputQueue
+from client.queues import InputQueue, OutputQueue
 from conf import ConfigError, ServingConfig, defaults, load_config
 from connectors.admin import ensure_topics
 from connectors.codec import decode_message
@@ -164,6 +166,17 @@ def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.n
             sent[uri] = time.perf_counter()
             inputs.enqueue(uri, model=models[i % len(models)] if models else None, **{name: samples[i % len(samples)]})
         inputs.flush()
+
+
+def dequeue_rate(config: ServingConfig, count: int) -> float:
+    """Results per second that OutputQueue.dequeue hands over, from one thread, reading `count`
+    results already on the result topic under a group of its own: whether a client keeps up."""
+    kafka = config.kafka
+    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-bench-dequeue") as outputs:
+        started, taken = time.perf_counter(), 0
+        while taken < count and time.perf_counter() - started < DRAIN_TIMEOUT_S:
+            taken += len(outputs.dequeue())
+        return taken / (time.perf_counter() - started)
 
 
 def ready_batch(session: ort.InferenceSession, batch_size: int) -> dict[str, np.ndarray]:
@@ -281,6 +294,8 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     try:
         capacity = timed_drain(reader, job, len(warmup), len(warmup) + len(backlog))
         reader.read_until(warmup + backlog, timeout=300)
+        progress(model.name, "OutputQueue.dequeue reading the results ...")
+        dequeued = dequeue_rate(config, len(warmup) + len(backlog))
         latency = paced_latency(config, reader, model, samples, args.rate or LATENCY_LOAD * capacity, paced)
         served = http_phases(model, config_path, folder, samples, args)
     finally:
@@ -291,6 +306,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "requests": len(backlog),
         "warmup": len(warmup),
         "enqueue": enqueued,
+        "dequeue": dequeued,
         "plain_loop": plain,
         "capacity": capacity,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
