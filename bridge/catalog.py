@@ -111,14 +111,16 @@ def read(config: ServingConfig, previous: Reading | None = None) -> Reading:
         for name, servable in servables.items():
             if servable.is_pipeline != pipelines:
                 continue
-            for version in servable.versions:
+            # Every version in the folder, as the job's poller does: the policy then picks among
+            # the readable ones, so a broken newest version leaves the one before it served.
+            for version in servable.versions if servable.is_pipeline else sorted(servable.files):
                 try:
                     signatures[(name, version)] = servable_signature(readable, servable, version, single)
                 except ConfigError as exc:
                     unavailable[(name, version)] = str(exc)
                 except Exception as exc:  # whatever else a half-written file makes onnx raise
                     unavailable[(name, version)] = f"{type(exc).__name__}: {exc}"
-            versions = tuple(version for version in servable.versions if (name, version) in signatures)
+            versions = servable.served(frozenset(key for key in unavailable if key[0] == name))
             if versions:
                 kept[name] = servable if versions == servable.versions else _with_versions(servable, versions)
     for name, problem in repository.problems.items():  # reported once per change, as the job's poller does

@@ -37,7 +37,7 @@ from job.decode import DecodeBatch  # noqa: E402
 from job.encode import EncodeResults  # noqa: E402
 from job.model import ModelError  # noqa: E402
 from job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
-from job.repository_watch import RepositoryWatch  # noqa: E402
+from job.repository_watch import RepositoryWatch, send_table  # noqa: E402
 from job.serve import ServeBatch  # noqa: E402
 from job.servables import repository_check  # noqa: E402
 
@@ -238,6 +238,9 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         config.kafka.input_topic, config.kafka.result_topic, config.kafka.bootstrap_servers,
     )
     log.info("serving %s; requests naming no model go to %s", _served(table), table.default)
+    # A job restored from a checkpoint keeps the table it checkpointed for the requests it reads
+    # again; this record, after them in the log, switches it to the repository as it is now.
+    send_table(config, table)
     if not attached(env):
         return 0
     watch = RepositoryWatch(config, repository, table)

@@ -13,9 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import yaml
+from kafka import KafkaConsumer, TopicPartition
 from onnx import TensorProto, helper, numpy_helper
 
 from client import InputQueue, OutputQueue
+from connectors.codec import decode_message
 from tests.conftest import collect
 from tests.onnx_models import graph_model
 
@@ -230,3 +232,59 @@ def test_a_broken_new_version_is_reported_once_and_the_old_one_keeps_serving(tmp
     for version in (2, 3):
         reports = [line for line in log.splitlines() if f"model scale version {version} not served" in line]
         assert len(reports) == 1, reports
+
+
+def versions_written(config) -> dict[str, list[int | None]]:
+    """Every result record on the result topic (repeats included), as uri -> the versions that served it."""
+    topic = config.kafka.result_topic
+    consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers)
+    try:
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(partitions)
+        consumer.seek_to_beginning()
+        ends, seen = consumer.end_offsets(partitions), {}
+        while any(consumer.position(tp) < ends[tp] for tp in partitions):
+            for records in consumer.poll(timeout_ms=500).values():
+                for record in records:
+                    message = decode_message(record.value, 1 << 20)
+                    seen.setdefault(message.uri, []).append(message.model_version)
+        return seen
+    finally:
+        consumer.close()
+
+
+def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first_served_it(
+    tmp_path, write_config, start_job
+) -> None:
+    """At least once: requests read again after the restore are served again, but by the same
+    version as before the kill, because the switch is a position in the request log."""
+    root = tmp_path / "models"
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5})
+    first = start_job(path, config)
+    inputs, _ = queues(config)
+    with inputs:
+        sender = SteadySender(inputs, rate=200)
+        sender.start()
+        time.sleep(3)
+        swap_in(root / "scale" / "2", 3.0)
+        deadline = time.monotonic() + 60
+        while 2 not in {v for versions in versions_written(config).values() for v in versions} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first.kill()
+        time.sleep(2)
+        start_job(path, config)
+        time.sleep(3)
+        sender.halt.set()
+        sender.join()
+    uris = [f"s{i:06d}" for i in range(sender.sent)]
+    deadline = time.monotonic() + 120
+    while not set(uris) <= set(written := versions_written(config)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert set(uris) <= set(written), f"{len(set(uris) - set(written))} lost"
+    assert sum(len(written[uri]) > 1 for uri in uris), "nothing was read again: the kill did not test a replay"
+    for uri in uris:
+        assert len(set(written[uri])) == 1, f"{uri} was served by versions {written[uri]}"
+    versions = [written[uri][0] for uri in uris]
+    switch = versions.index(2)
+    assert set(versions[:switch]) == {1} and set(versions[switch:]) == {2}

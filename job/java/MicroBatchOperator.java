@@ -43,10 +43,13 @@ import org.slf4j.LoggerFactory;
  * as a control frame, so that the switch is a position in the Kafka log, the same on a replay. A
  * malformed one (the topic is open to any producer) is logged once and ignored. The table is
  * operator state too, as union list state: after a restore every subtask takes the newest
- * generation among the restored tables and the one given to the constructor (a new job start with
- * a changed repository). Python keeps no state, so the first frame after open() is always a
- * control frame with the current table: the Python stages learn the table the restored batches
- * were made by before they meet one.
+ * generation among the restored tables, so that the requests read again after a restore are
+ * served by the table they were first read with; the table given to the constructor serves only a
+ * job started without state. A job started again with a changed repository gets its new table as
+ * a control record its driver writes at start, after the requests it reads again (job/main.py).
+ * Python keeps no state, so the first frame after open() is always a control frame with the
+ * current table: the Python stages learn the table the restored batches were made by before they
+ * meet one.
  */
 public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         implements OneInputStreamOperator<Row, byte[]>, ProcessingTimeCallback {
@@ -82,13 +85,16 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     public void initializeState(StateInitializationContext context) throws Exception {
         super.initializeState(context);
         OperatorStateStore store = context.getOperatorStateStore();
-        table = RoutingTable.parse(tableText);
         checkpointedTable = store.getUnionListState(new ListStateDescriptor<>(TABLE_STATE, Types.STRING));
+        table = null;
         for (String text : checkpointedTable.get()) {
             RoutingTable candidate = parseOrWarn(text, "a restored routing table");
-            if (candidate != null && candidate.generation > table.generation) {
+            if (candidate != null && (table == null || candidate.generation > table.generation)) {
                 table = candidate;
             }
+        }
+        if (table == null) {
+            table = RoutingTable.parse(tableText);
         }
         checkpointed = store.getListState(new ListStateDescriptor<>(
             PENDING_STATE, Types.ROW(Types.STRING, Types.STRING, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
