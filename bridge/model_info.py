@@ -158,14 +158,6 @@ def repository_signatures(config: ServingConfig) -> tuple[Repository, dict[tuple
     return repository, signatures
 
 
-def model_signature(config: ServingConfig) -> ModelSignature:
-    """The default model's (newest version's) signature, after checking the whole repository as
-    `repository_signatures` does."""
-    repository, signatures = repository_signatures(config)
-    default = repository.servables[repository.default]
-    return signatures[(default.name, default.versions[-1])]
-
-
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     """ONNX's element type by the name ONNX Runtime prints (FLOAT -> tensor(float))."""
     tensor = value.type.tensor_type

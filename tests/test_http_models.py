@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bridge.catalog import Catalog
 from bridge.errors import ModelNotFound
-from bridge.model_info import model_signature, repository_signatures
+from bridge.model_info import repository_signatures
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config
 from connectors.admin import ensure_topics
 from connectors.codec import Message, decode_message, encode_message
@@ -360,7 +360,7 @@ def test_the_repository_is_checked_before_start(tmp_path: Path, sample_model: Pa
     config = load_config(config_path)
     _, signatures = repository_signatures(config)
     assert sorted(signatures) == [("alpha", 1), ("alpha", 2), ("beta", 1), ("chain", 1)]
-    assert model_signature(config).inputs[0].dtype == np.float64  # the default model's newest version
+    assert signatures[("alpha", 2)].inputs[0].dtype == np.float64
 
     (repository / "beta" / "1" / "model.onnx").write_bytes(b"not onnx")
     with pytest.raises(ConfigError, match=r"^models.repository: model 'beta' version 1: cannot load model .*not an ONNX model"):
