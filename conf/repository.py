@@ -14,10 +14,13 @@ room can afford it: the job's poller, the bridge's model list, the CLI's checks.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -317,3 +320,44 @@ class RoutingTable:
     def same_serving(self, other: RoutingTable | None) -> bool:
         """Equal but for the generation: no control record needed."""
         return other is not None and (self.default, self.entries) == (other.default, other.entries)
+
+
+def stage_function(servable: Servable, stage: Stage, kind: str) -> Callable[..., object] | None:
+    """The function servable.yaml names for a stage, from the servable's own servable.py: stage
+    code comes from the operator's repository, never from a request."""
+    if not stage.function:
+        return None
+    module = _stages_module(servable)
+    function = getattr(module, stage.function, None)
+    if not callable(function):
+        raise ConfigError(f"{servable.stages_file}: no function {stage.function!r} for {kind}")
+    return function
+
+
+def _stages_module(servable: Servable) -> ModuleType:
+    path = servable.stages_file
+    if not path.is_file():
+        raise ConfigError(f"{servable.folder / 'servable.yaml'} names stage functions but {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"cluster_serving_servable_{servable.name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a syntax error, a failed import: the servable cannot serve
+        raise ConfigError(f"{path} cannot be imported: {type(exc).__name__}: {exc}") from None
+    return module
+
+
+def servable_stages(servable: Servable) -> tuple[Callable[..., object] | None, Callable[..., object] | None]:
+    """The servable's preprocess and postprocess functions (None where it names none)."""
+    return (
+        stage_function(servable, servable.config.preprocess, "preprocess"),
+        stage_function(servable, servable.config.postprocess, "postprocess"),
+    )
+
+
+def check_stages(repository: Repository) -> None:
+    """Loads every servable's stage functions once: a missing servable.py or function, or one that
+    fails to import, is a ConfigError (what starting checks)."""
+    for servable in repository.servables.values():
+        servable_stages(servable)

@@ -21,9 +21,9 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from conf import ConfigError, ServingConfig
-from conf.repository import Repository, RoutingTable, Servable, scan
+from conf.repository import Repository, RoutingTable, Servable, scan, servable_stages
 from connectors.admin import client_properties
-from job.servables import open_version, stage_function
+from job.servables import open_version
 
 log = logging.getLogger(__name__)
 CONTROL_HEADER = "cluster-serving-control"
@@ -91,8 +91,7 @@ class RepositoryWatch:
             return self.checked[key][3]
         try:
             open_version(servable, version, self.config.device, self.config.model.threads)
-            for stage, kind in ((servable.config.preprocess, "preprocess"), (servable.config.postprocess, "postprocess")):
-                stage_function(servable, stage, kind)
+            servable_stages(servable)
             fits = True
         except Exception as exc:  # ModelError, ConfigError, or whatever servable.py raises on import
             log.error("model %s version %d not served: %s", servable.name, version, exc)

@@ -9,20 +9,18 @@ left out; a request naming no version gets the newest that opened.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
-from conf import ConfigError, ServingConfig
-from conf.repository import Repository, RoutingTable, Servable, Stage, scan
+from conf import ServingConfig
+from conf.repository import Repository, RoutingTable, Servable, check_stages, scan, servable_stages
 from connectors.tensors import config_mismatch
 from job.model import ModelError, OnnxModel
 
 log = logging.getLogger(__name__)
-StageFunction = Callable
+StageFunction = Callable[..., object]
 
 
 class RouteError(LookupError):
@@ -39,29 +37,6 @@ def open_version(servable: Servable, version: int, device: str, threads: int) ->
     if problem:
         raise ModelError(f"model {servable.name!r} version {version}: {problem}")
     return model
-
-
-def stage_function(servable: Servable, stage: Stage, kind: str) -> StageFunction | None:
-    """The function servable.yaml names for a stage, from the servable's own servable.py: stage
-    code comes from the operator's repository, never from a request."""
-    if not stage.function:
-        return None
-    module = _stages_module(servable)
-    function = getattr(module, stage.function, None)
-    if not callable(function):
-        raise ConfigError(f"{servable.stages_file}: no function {stage.function!r} for {kind}")
-    return function
-
-
-def _stages_module(servable: Servable) -> ModuleType:
-    path = servable.stages_file
-    if not path.is_file():
-        raise ConfigError(f"{servable.folder / 'servable.yaml'} names stage functions but {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"cluster_serving_servable_{servable.name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -121,8 +96,7 @@ class Servables:
             if model is not None:
                 models[version] = model
         try:
-            pre = stage_function(servable, servable.config.preprocess, "preprocess")
-            post = stage_function(servable, servable.config.postprocess, "postprocess")
+            pre, post = servable_stages(servable)
         except Exception as exc:  # a broken servable.py: its model answers errors, the others serve
             log.error("model %s: stages not loaded: %s", servable.name, exc)
             pre = post = _broken_stage(f"stages not loaded: {exc}")
@@ -171,10 +145,9 @@ def _broken_stage(reason: str) -> StageFunction:
 
 
 def repository_check(config: ServingConfig, repository: Repository) -> None:
-    """Opens every version once and loads every servable's stages: what `start` checks before the
-    job runs, each problem one line."""
+    """Opens every version once and loads every servable's stages: what the job checks before it
+    runs, each problem one line."""
     for servable in repository.servables.values():
         for version in servable.versions if not servable.is_pipeline else ():
             open_version(servable, version, config.device, config.model.threads)
-        for stage, kind in ((servable.config.preprocess, "preprocess"), (servable.config.postprocess, "postprocess")):
-            stage_function(servable, stage, kind)
+    check_stages(repository)

@@ -12,6 +12,7 @@ import urllib.request
 
 from bridge.model_info import repository_signatures
 from conf import JOB_NAME, ConfigError, ServingConfig
+from conf.repository import check_stages
 from connectors.admin import (
     broker_reachable, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
 )
@@ -48,7 +49,8 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     its config, Java, the ports the job and the bridge listen on, and the broker (a running one, or
     what starting the local one needs)."""
     config.check_files()
-    repository_signatures(config)  # every served version readable and as its servable.yaml says
+    repository, _ = repository_signatures(config)  # every served version readable and as its servable.yaml says
+    check_stages(repository)
     find_java()
     check_port("flink.rest_port", "127.0.0.1", config.flink.rest_port)
     if http:

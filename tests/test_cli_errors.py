@@ -140,6 +140,20 @@ def broker_port_not_kafka(scene: Scene) -> None:
     scene.use(config=scene.config(kafka={"bootstrap_servers": f"127.0.0.1:{scene.listen()}"}))
 
 
+def repository(scene: Scene, servable: str | None = None, version: bytes | None = None) -> None:
+    """A config serving a repository of the sample model as `m` version 1, with `servable` as its
+    servable.yaml and `version` as the bytes of a version 2."""
+    root = scene.tmp / "models"
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.onnx").write_bytes(scene.sample_model.read_bytes())
+    if servable is not None:
+        (root / "m" / "servable.yaml").write_text(servable)
+    if version is not None:
+        (root / "m" / "2").mkdir()
+        (root / "m" / "2" / "model.onnx").write_bytes(version)
+    scene.use(config=scene.config(models={"repository": str(root)}))
+
+
 def valid(scene: Scene) -> None:
     scene.use(config=scene.config())
 
@@ -201,6 +215,20 @@ CASES = [
     Case("start: image settings for a missing input", (*CLI, "start", "-c", "{config}"),
          "preprocess.images.photo: the model has no input 'photo'",
          lambda scene: scene.use(config=scene.config(preprocess={"images": {"photo": {"layout": "CHW"}}}))),
+    Case("start: a repository folder that is not there", (*CLI, "start", "-c", "{config}"),
+         "models.repository: not a folder", lambda scene: scene.use(config=scene.config(models={"repository": "nowhere"}))),
+    Case("start: a servable.yaml key that does not exist", (*CLI, "start", "-c", "{config}"),
+         "servable.yaml: batching.size: unknown key (known: batch_size, max_delay_ms)",
+         lambda scene: repository(scene, servable="batching: {size: 8}")),
+    Case("start: a newest version that is not ONNX", (*CLI, "start", "-c", "{config}"),
+         "models.repository: model 'm' version 2: cannot load model", lambda scene: repository(scene, version=b"not onnx")),
+    Case("start: a default model the repository lacks", (*CLI, "start", "-c", "{config}"),
+         "models.default: no model 'nobody'; the repository serves m",
+         lambda scene: (repository(scene), scene.use(config=scene.copy(Path(scene.values["config"]), "b", models={"default": "nobody"})))),
+    Case("job alone: a stage function servable.py lacks", ("-m", "job.main", "-c", "{config}"),
+         "servable.py does not exist", lambda scene: repository(scene, servable="preprocess: {function: clip}")),
+    Case("start: a stage function servable.py lacks", (*CLI, "start", "-c", "{config}"),
+         "servable.py does not exist", lambda scene: repository(scene, servable="preprocess: {function: clip}")),
     Case("start: a missing connector jar", (*CLI, "start", "-c", "{config}"), "flink.jars: jar not found",
          lambda scene: scene.use(config=scene.config(flink={"jars": ["/nowhere/connector.jar"]}))),
     Case("start: an unreachable broker", (*CLI, "start", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
