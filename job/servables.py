@@ -21,6 +21,8 @@ from job.model import ModelError, OnnxModel
 
 log = logging.getLogger(__name__)
 StageFunction = Callable[..., object]
+# How much of a model name or version header an error result repeats.
+NAME_SHOWN = 100
 
 
 class RouteError(LookupError):
@@ -118,15 +120,16 @@ class Servables:
         """The servable and version a batch's route names; RouteError says what is served instead."""
         name = model or (self.table.default if self.table else "")
         served = self.served.get(name)
-        if served is None:
-            raise RouteError(f"unknown model {name!r}; the repository serves {', '.join(sorted(self.served)) or 'nothing'}")
+        if served is None:  # a header any producer wrote: shown cut short, as the uri of a log line is
+            raise RouteError(f"unknown model {name[:NAME_SHOWN]!r}; the repository serves {', '.join(sorted(self.served)) or 'nothing'}")
         listed = served.versions
         if not version:
             if not listed:
                 raise RouteError(f"model {name!r}: none of its versions opened (see the job's log)")
             return served, listed[-1]
-        if not version.isdigit() or int(version) not in listed:
-            raise RouteError(f"model {name!r} has no version {version}; it serves {', '.join(map(str, listed)) or 'none'}")
+        if not (version.isascii() and version.isdigit()) or int(version) not in listed:
+            shown = version[:NAME_SHOWN]
+            raise RouteError(f"model {name!r} has no version {shown}; it serves {', '.join(map(str, listed)) or 'none'}")
         return served, int(version)
 
     def model(self, name: str, version: int | None) -> OnnxModel:

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import yaml
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from onnx import TensorProto, helper, numpy_helper
 
 from client import InputQueue, OutputQueue
-from connectors.codec import decode_message
+from connectors.codec import Message, decode_message, encode_message
 from tests.conftest import collect
 from tests.onnx_models import graph_model
 
@@ -288,3 +288,36 @@ def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first
     versions = [written[uri][0] for uri in uris]
     switch = versions.index(2)
     assert set(versions[:switch]) == {1} and set(versions[switch:]) == {2}
+
+
+def test_hostile_headers_and_control_records_cost_their_own_request_only(tmp_path, write_config, start_job) -> None:
+    root = tmp_path / "models"
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    path, config = write_config(models={"repository": str(root)})
+    job = start_job(path, config)
+    kafka = config.kafka
+    body = {uri: encode_message(Message(uri, {"x": np.ones(WIDTH, np.float32)})) for uri in ("long", "binary", "digits", "good")}
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, max_request_size=8 << 20)
+    for uri, headers in (
+        ("long", [("model", b"m" * (1 << 20))]),
+        ("binary", [("model", b"\xff\xfe\x00")]),
+        ("digits", [("model", b"scale"), ("version", "\u0661".encode())]),  # an Arabic-Indic 1
+    ):
+        producer.send(kafka.input_topic, key=uri.encode(), value=body[uri], headers=headers)
+    for garbage in (b"", b"not a table", b"9" * 30 + b"\tscale\nscale\t0\t0\t1"):
+        producer.send(kafka.input_topic, value=garbage, headers=[("cluster-serving-control", b"")])
+    producer.send(kafka.input_topic, key=b"good", value=body["good"])
+    producer.flush()
+    producer.close()
+    outputs = OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client")
+    with outputs:
+        results = collect(outputs, 4, timeout=120)
+    np.testing.assert_allclose(results["good"]["y"], np.full(WIDTH, 2.0))
+    assert results["good"].version == 1
+    assert results["long"]["error"] == f"unknown model {'m' * 100!r}; the repository serves scale"
+    assert results["binary"]["error"].startswith("unknown model ")
+    assert results["digits"]["error"] == "model 'scale' has no version \u0661; it serves 1"
+    logs = job.log_path.read_text(errors="replace") + "".join(
+        flink_log.read_text(errors="replace") for flink_log in (path.parent / "log").glob("*.log")
+    )
+    assert "Traceback" not in logs and "ignoring a control record of the input topic: not a routing table" in logs
