@@ -108,7 +108,7 @@ class Servables:
         key = (servable.name, version, servable.files.get(version))
         try:
             model = open_version(servable, version, self.config.device, self.config.model.threads)
-        except ModelError as exc:
+        except Exception as exc:  # ModelError, or whatever a file the poller did not check raises
             if key not in self.failed:
                 log.error("model %s version %d not served: %s", servable.name, version, exc)
                 self.failed.add(key)

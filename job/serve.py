@@ -77,7 +77,11 @@ class ServeBatch(MapFunction):
         ready, refused = apply_stage(served.preprocess, settings.preprocess.batched, ready, "preprocess")
         errors += refused
         if served.servable.is_pipeline:
-            outcomes: list[Outcome] = list(run_pipeline(served.servable, self.servables.model, ready))
+            try:
+                outcomes: list[Outcome] = list(run_pipeline(served.servable, self.servables.model, ready))
+            except RouteError as exc:  # a step's model has no version open
+                log.warning("pipeline %s: %s", served.servable.name, exc)
+                outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
         else:
             outcomes = predict(served.models[version], ready)
         if served.postprocess is not None or settings.postprocess.top_n:

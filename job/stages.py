@@ -35,21 +35,26 @@ def apply_stage(
         return messages, []
     if batched and len(messages) > 1:
         try:
-            outputs = function([message.tensors for message in messages])
-            if not isinstance(outputs, list) or len(outputs) != len(messages):
-                raise StageError(f"a batched {kind} must return a list of {len(messages)} results")
-            return [_with(message, _tensors(output, kind)) for message, output in zip(messages, outputs)], []
+            outputs = _called(function, True, [message.tensors for message in messages], kind)
+            return [_with(message, output) for message, output in zip(messages, outputs)], []
         except Exception:
             pass
     kept: list[Message] = []
     errors: list[Message] = []
     for message in messages:
         try:
-            output = function([message.tensors])[0] if batched else function(message.tensors)
-            kept.append(_with(message, _tensors(output, kind)))
+            kept.append(_with(message, _called(function, batched, [message.tensors], kind)[0]))
         except Exception as exc:
             errors.append(error_result(message.uri, f"{kind} failed", _as_reported(exc)))
     return kept, errors
+
+
+def _called(function: Callable[..., Any], batched: bool, inputs: list[Tensors], kind: str) -> list[Tensors]:
+    """The function's outputs for `inputs`, checked: one name -> array mapping per instance."""
+    outputs = function(inputs) if batched else [function(inputs[0])]
+    if not isinstance(outputs, list) or len(outputs) != len(inputs):
+        raise StageError(f"a batched {kind} must return a list of {len(inputs)} results, got {type(outputs).__name__}")
+    return [_tensors(output, kind) for output in outputs]
 
 
 def _with(message: Message, tensors: Tensors) -> Message:
