@@ -132,12 +132,14 @@ class Servables:
             raise RouteError(f"model {name!r} has no version {shown}; it serves {', '.join(map(str, listed)) or 'none'}")
         return served, int(version)
 
-    def model(self, name: str, version: int | None) -> OnnxModel:
-        """A pipeline step's model: `version`, or the newest open."""
+    def step(self, name: str, version: int | None) -> tuple[Served, int]:
+        """A pipeline step's model and version: `version`, or the newest open."""
         served = self.served.get(name)
-        if served is None or not served.models or (version is not None and version not in served.models):
+        if served is None or served.servable.is_pipeline or not served.models or (
+            version is not None and version not in served.models
+        ):
             raise RouteError(f"model {name!r} version {version or 'newest'} is not open")
-        return served.models[version if version is not None else max(served.models)]
+        return served, version if version is not None else max(served.models)
 
 
 def _broken_stage(reason: str) -> StageFunction:

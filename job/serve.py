@@ -15,7 +15,7 @@ import time
 from pyflink.datastream import MapFunction, RuntimeContext
 
 from conf import ServingConfig
-from conf.repository import RoutingTable
+from conf.repository import PipelineStep, RoutingTable
 from connectors.codec import Message
 from job.decode import DecodedBatch, prepare_instances
 from job.infer import Outcome, Rows, as_messages, predict
@@ -78,7 +78,7 @@ class ServeBatch(MapFunction):
         errors += refused
         if served.servable.is_pipeline:
             try:
-                outcomes: list[Outcome] = list(run_pipeline(served.servable, self.servables.model, ready))
+                outcomes: list[Outcome] = list(run_pipeline(served.servable, self._serve_step, ready))
             except RouteError as exc:  # a step's model has no version open
                 log.warning("pipeline %s: %s", served.servable.name, exc)
                 outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
@@ -89,6 +89,10 @@ class ServeBatch(MapFunction):
             errors += refused
             outcomes = [top_n(message, settings.postprocess.top_n) if settings.postprocess.top_n else message for message in results]
         return errors + outcomes
+
+    def _serve_step(self, step: PipelineStep, feeds: list[Message]) -> list[Outcome]:
+        served, version = self.servables.step(step.model, step.version)
+        return self.serve(served, version, feeds)
 
     def _count(self, name: str, version: int, size: int, elapsed_us: int, outcomes: list[Outcome]) -> None:
         """The job's totals and the same per model and version (Flink UI: ...cluster_serving.model.<name>.version.<v>)."""

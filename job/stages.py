@@ -1,9 +1,10 @@
 """What a servable does around its model: its stage functions, and the steps of a pipeline.
 
 Pure functions over decoded requests, testable without Flink. A stage function comes from the
-servable's servable.py (job/servables.py); whatever it raises is that request's error result, never
-a restart of the job. Pipelines run their steps one after another on the whole micro-batch, each
-step a stacked run of its model, the intermediate tensors kept here.
+servable's servable.py (conf/repository.py); whatever it raises is that request's error result,
+never a restart of the job. Pipelines run their steps one after another on the whole micro-batch,
+each step served as its model serves its own requests (its stages, one stacked run), the
+intermediate tensors kept here.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import numpy as np
 from conf.repository import PipelineStep, Servable
 from connectors.codec import Message
 from job.decode import error_result
-from job.infer import as_messages, predict
-from job.model import InvalidInput, OnnxModel
+from job.infer import Outcome, as_messages
+from job.model import InvalidInput
 
 Tensors = dict[str, np.ndarray]
 
@@ -72,11 +73,14 @@ def _as_reported(exc: Exception) -> Exception:
     return exc if isinstance(exc, StageError) else InvalidInput(f"{type(exc).__name__}: {exc}")
 
 
-def run_pipeline(
-    servable: Servable, model_of: Callable[[str, int | None], OnnxModel], instances: list[Message]
-) -> list[Message]:
+# Serves one step's requests as the step's model serves its own (its stages, its model): the
+# serving stage's `serve`, for the servable and version the step names.
+ServeStep = Callable[[PipelineStep, list[Message]], list[Outcome]]
+
+
+def run_pipeline(servable: Servable, serve_step: ServeStep, instances: list[Message]) -> list[Message]:
     """One result per instance: the last step's outputs (or the servable's `outputs`), or the error
-    of the step that failed it."""
+    of the step that failed it. Each step runs once on the whole batch."""
     values: dict[str, dict[str, Tensors]] = {message.uri: {"": message.tensors} for message in instances}
     alive = [message.uri for message in instances]
     errors: list[Message] = []
@@ -84,9 +88,8 @@ def run_pipeline(
     for index, step in enumerate(servable.config.steps):
         feeds, refused = _step_feeds(step, index, previous, alive, values)
         errors += refused
-        model = model_of(step.model, step.version)
         alive = []
-        for result in as_messages(predict(model, feeds)):
+        for result in as_messages(serve_step(step, feeds)):
             if result.error is not None:
                 errors.append(Message(result.uri, error=f"step {step.step_name!r}: {result.error}"))
             else:

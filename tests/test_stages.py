@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conf import load_config
-from conf.repository import scan
+from conf.repository import RoutingTable, scan
 from connectors.codec import Message
 from job.serve import ServeBatch
 from job.servables import Served, Servables
@@ -66,3 +66,21 @@ def test_a_pipeline_step_without_an_open_model_answers_errors(tmp_path: Path) ->
     chain = Served(scan(config).servables["chain"], None, None, {})
     outcomes = stage.serve(chain, 1, [Message("u0", {"x": np.ones(4, np.float32)})])
     assert [(m.uri, m.error) for m in outcomes] == [("u0", "pipeline 'chain': model 'scale' version newest is not open")]
+
+
+def test_a_pipeline_step_is_served_with_its_models_own_stages(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    scale_model(root / "scale" / "1" / "model.onnx", 2.0)
+    (root / "scale" / "servable.yaml").write_text(yaml.safe_dump({"preprocess": {"function": "plus_one"}}))
+    (root / "scale" / "servable.py").write_text("def plus_one(inputs):\n    return {'x': inputs['x'] + 1}\n")
+    (root / "chain").mkdir()
+    (root / "chain" / "servable.yaml").write_text(yaml.safe_dump(
+        {"kind": "pipeline", "steps": [{"model": "scale"}, {"name": "again", "model": "scale", "inputs": {"x": "scale.y"}}]}
+    ))
+    config = load_config(overrides={"models.repository": str(root), "models.default": "scale"})
+    stage = ServeBatch(config)
+    stage.servables = Servables(config)
+    stage.servables.adopt(RoutingTable.of(scan(config)))
+    served, version = stage.servables.resolve("chain", "")
+    [result] = stage.serve(served, version, [Message("u0", {"x": np.zeros(4, np.float32)})])
+    np.testing.assert_array_equal(result.tensors["y"], np.full(4, ((0 + 1) * 2 + 1) * 2, np.float32))
