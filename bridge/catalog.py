@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from bridge.errors import ModelNotFound
 from bridge.model_info import ModelSignature, repository_signatures, request_input, servable_signature
 from conf import ConfigError, ServingConfig
-from conf.repository import Repository, Servable, scan
+from conf.repository import Repository, Servable, rescan
 
 log = logging.getLogger("cluster_serving.bridge")
 RESCAN_INTERVAL_S = 1.0
@@ -92,14 +92,10 @@ def read(config: ServingConfig, previous: Reading | None = None) -> Reading:
         repository, signatures = repository_signatures(config)
         return Reading(repository, signatures)
     try:
-        repository = scan(config)
+        repository = rescan(config, previous.repository)
     except ConfigError as exc:  # the folder itself went away: keep serving what is known
         log.warning("rescanning the model repository failed: %s", exc)
         return previous
-    servables = dict(repository.servables)
-    for name in repository.problems:
-        if name in previous.servables:
-            servables[name] = previous.servables[name]
     signatures: dict[tuple[str, int], ModelSignature] = {}
     unavailable: dict[tuple[str, int], str] = {}
     single = config.models.repository is None
@@ -108,7 +104,7 @@ def read(config: ServingConfig, previous: Reading | None = None) -> Reading:
     # job's do (it leaves out a version that fails to load).
     for pipelines in (False, True):
         readable = Repository(kept, repository.default)
-        for name, servable in servables.items():
+        for name, servable in repository.servables.items():
             if servable.is_pipeline != pipelines:
                 continue
             # Every version in the folder, as the job's poller does: the policy then picks among

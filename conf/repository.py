@@ -183,6 +183,15 @@ def scan(config: ServingConfig) -> Repository:
     return Repository(servables, _default(config, servables), problems)
 
 
+def rescan(config: ServingConfig, previous: Repository) -> Repository:
+    """scan(), where a model whose reading now fails (a servable.yaml being edited) keeps its
+    `previous` reading, its problem still listed: what the running job's poller and the bridge
+    serve meanwhile. ConfigError when the folder itself is gone."""
+    repository = scan(config)
+    kept = {name: previous.servables[name] for name in repository.problems if name in previous.servables}
+    return Repository({**repository.servables, **kept}, repository.default, repository.problems)
+
+
 def checked_scan(config: ServingConfig) -> Repository:
     """scan(), refusing a repository with problems or nothing to serve: what starting needs."""
     repository = scan(config)
@@ -316,6 +325,10 @@ class RoutingTable:
                 int(batch_size), int(max_delay_ms), tuple(int(version) for version in versions.split(",") if version)
             )
         return cls(int(generation), default, entries)
+
+    def describe(self) -> str:
+        """What the table serves, as the job's log lines and its Flink UI description say it."""
+        return ", ".join(f"{name} v{','.join(map(str, entry.versions))}" for name, entry in self.entries.items())
 
     def same_serving(self, other: RoutingTable | None) -> bool:
         """Equal but for the generation: no control record needed."""

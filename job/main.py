@@ -135,12 +135,8 @@ def build_pipeline(
     results.sink_to(result_sink(kafka)).name("kafka-results").uid("kafka-results").set_description(
         f"Kafka topic {kafka.result_topic}, {kafka.delivery.replace('_', ' ')}"
     )
-    name_python_stages(env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({_served(table)}) -> encode")
+    name_python_stages(env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({table.describe()}) -> encode")
     drop_committer_gauge_warning()
-
-
-def _served(table: RoutingTable) -> str:
-    return ", ".join(f"{name} v{','.join(map(str, entry.versions))}" for name, entry in table.entries.items())
 
 
 def preflight(config: ServingConfig) -> Repository:
@@ -237,7 +233,7 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         "reading %s, writing %s on %s",
         config.kafka.input_topic, config.kafka.result_topic, config.kafka.bootstrap_servers,
     )
-    log.info("serving %s; requests naming no model go to %s", _served(table), table.default)
+    log.info("serving %s; requests naming no model go to %s", table.describe(), table.default)
     # A job restored from a checkpoint keeps the table it checkpointed for the requests it reads
     # again; this record, after them in the log, switches it to the repository as it is now.
     send_table(config, table)

@@ -21,7 +21,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from conf import ConfigError, ServingConfig
-from conf.repository import Repository, RoutingTable, Servable, scan, servable_stages
+from conf.repository import Repository, RoutingTable, Servable, rescan, servable_stages
 from connectors.admin import client_properties
 from job.servables import open_version
 
@@ -42,53 +42,57 @@ def send_table(config: ServingConfig, table: RoutingTable) -> None:
         producer.close(5)
 
 
+# A version file as the poller last checked it: path, modification time, size.
+FileState = tuple[Path, float, int]
+
+
 class RepositoryWatch:
     """What the running job was told to serve, and the check that tells it something new."""
 
     def __init__(self, config: ServingConfig, repository: Repository, table: RoutingTable):
+        """`repository` as the job started with it, its served versions opened by the start checks
+        (job.servables.repository_check): the first poll does not open them again."""
         self.config = config
-        self.servables = dict(repository.servables)
+        self.repository = repository
         self.table = table
-        self.checked: dict[tuple[str, int], tuple[Path, float, int, bool]] = {}
+        self.checked: dict[tuple[str, int], tuple[FileState, bool]] = {
+            (name, version): (state, True)
+            for name, servable in repository.servables.items() if not servable.is_pipeline
+            for version in servable.versions if (state := _state(servable.path(version))) is not None
+        }
         self.reported: set[str] = set()
 
     def poll(self) -> RoutingTable | None:
         """Sends and returns a new table when the repository serves something else; None if not."""
         try:
-            repository = scan(self.config)
+            repository = rescan(self.config, self.repository)
         except ConfigError as exc:
             self._report(str(exc))
             return None
-        servables = dict(repository.servables)
         for name, problem in repository.problems.items():
-            self._report(f"model {name}: {problem}; {'its last good reading serves' if name in self.servables else 'not served'}")
-            if name in self.servables:
-                servables[name] = self.servables[name]
+            self._report(f"model {name}: {problem}; {'its last good reading serves' if name in repository.servables else 'not served'}")
         left_out = frozenset(
             (name, version)
-            for name, servable in servables.items() if not servable.is_pipeline
+            for name, servable in repository.servables.items() if not servable.is_pipeline
             for version in servable.files if not self._opens(servable, version)
         )
-        table = RoutingTable.of(Repository(servables, repository.default), left_out)
-        self.servables = servables
+        table = RoutingTable.of(repository, left_out)
+        self.repository = repository
         if table.same_serving(self.table):
             return None
         send_table(self.config, table)
-        log.info("repository changed: now serving %s (routing table %d sent)", _described(table), table.generation)
+        log.info("repository changed: now serving %s (routing table %d sent)", table.describe(), table.generation)
         self.table = table
         return table
 
     def _opens(self, servable: Servable, version: int) -> bool:
         """Whether a version opens and fits its servable.yaml; checked once per state of its file."""
-        path = servable.path(version)
-        try:
-            stat = path.stat()
-        except OSError:
+        state = _state(servable.path(version))
+        if state is None:
             return False
         key = (servable.name, version)
-        state = (path, stat.st_mtime, stat.st_size)
-        if key in self.checked and self.checked[key][:3] == state:
-            return self.checked[key][3]
+        if key in self.checked and self.checked[key][0] == state:
+            return self.checked[key][1]
         try:
             open_version(servable, version, self.config.device, self.config.model.threads)
             servable_stages(servable)
@@ -96,7 +100,7 @@ class RepositoryWatch:
         except Exception as exc:  # ModelError, ConfigError, or whatever servable.py raises on import
             log.error("model %s version %d not served: %s", servable.name, version, exc)
             fits = False
-        self.checked[key] = (*state, fits)
+        self.checked[key] = (state, fits)
         return fits
 
     def _report(self, problem: str) -> None:
@@ -105,5 +109,9 @@ class RepositoryWatch:
             log.error("repository: %s", problem)
 
 
-def _described(table: RoutingTable) -> str:
-    return "; ".join(f"{name} versions {list(entry.versions) or '-'}" for name, entry in table.entries.items())
+def _state(path: Path) -> FileState | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return path, stat.st_mtime, stat.st_size
