@@ -104,7 +104,8 @@ def decode(payload: bytes) -> Message:
         at += nbytes
     # Positional arguments (uri, tensors, error, batch_size, inference_us, top_n, model,
     # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
-    return Message(uri, values, None, *served[:2], None, *served[2:], layout)
+    batch_size, inference_us, model, model_version = served
+    return Message(uri, values, None, batch_size, inference_us, None, model, model_version, layout)
 
 
 @functools.lru_cache(maxsize=64)
