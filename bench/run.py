@@ -265,22 +265,36 @@ def paced_sender(config: ServingConfig, uris: list[str], name: str, samples: np.
     stamps.put(sent)
 
 
+def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, **sections: Any) -> ServingConfig:
+    """A config of its own for one job of the run, with the run's batching, parallelism, device
+    and threads (plus `sections`); written to a file for the job, returned loaded, topics created."""
+    path = write_run_config(
+        folder, model_path, bootstrap,
+        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
+        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads}, **sections,
+    )
+    config = load_config(path)
+    ensure_topics(config.kafka)
+    return config
+
+
+def backlog_uris(prefix: str, count: int, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(warm-up uris, timed backlog uris): --warmup, or a tenth of the backlog, go first."""
+    backlog = [f"{prefix}backlog-{i}" for i in range(count)]
+    warmup = [f"{prefix}warmup-{i}" for i in range(count // 10 if args.warmup is None else args.warmup)]
+    return warmup, backlog
+
+
 def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder: Path,
                     args: argparse.Namespace) -> dict[str, Any]:
     """Phases 2 to 5 for one model against the broker at `bootstrap`; the job starts only once the
     plain loop has stopped, so neither shares the cores with the other."""
-    config_path = write_run_config(
-        folder, model_path, bootstrap,
-        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
-        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
-    )
-    config = load_config(config_path)
+    config = run_config(folder, model_path, bootstrap, args)
+    config_path = config.source
     plain_topic = f"{config.kafka.result_topic}-plain-loop"
-    ensure_topics(config.kafka)
     ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
     samples = model.samples(SAMPLES)
-    backlog = [f"backlog-{i}" for i in range(args.requests or model.requests)]
-    warmup = [f"warmup-{i}" for i in range(len(backlog) // 10 if args.warmup is None else args.warmup)]
+    warmup, backlog = backlog_uris("", args.requests or model.requests, args)
     paced = [f"paced-{i}" for i in range(args.latency_requests or model.latency_requests)]
     enqueued = fill_backlog(config, model, samples, warmup + backlog)
 
@@ -352,17 +366,11 @@ def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, fold
     the size of the batch that served it and the model that did."""
     label = f"{len(MULTI_MODELS)} models"
     repository = two_model_repository(folder / "repository", model_path, args)
-    config_path = write_run_config(
-        folder, model_path, bootstrap,
-        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
-        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
-        models={"repository": str(repository), "default": MULTI_MODELS[0]},
-    )
-    config = load_config(config_path)
-    ensure_topics(config.kafka)
+    config = run_config(folder, model_path, bootstrap, args,
+                        models={"repository": str(repository), "default": MULTI_MODELS[0]})
+    config_path = config.source
     samples = model.samples(SAMPLES)
-    backlog = [f"multi-{i}" for i in range(args.multi_model_requests)]
-    warmup = [f"multi-warmup-{i}" for i in range(len(backlog) // 10 if args.warmup is None else args.warmup)]
+    warmup, backlog = backlog_uris("multi-", args.multi_model_requests, args)
     uris = warmup + backlog
     asked = {uri: MULTI_MODELS[i % len(MULTI_MODELS)] for i, uri in enumerate(uris)}
     enqueued = fill_backlog(config, model, samples, uris, MULTI_MODELS, label)
