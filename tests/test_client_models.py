@@ -9,7 +9,6 @@ import http.server
 import json
 import pickle
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -20,8 +19,10 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from client import InputQueue, OutputQueue
 from conf import KAFKA_RECORD_BYTES
+from connectors.admin import records_written
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
 from connectors.inputs import Result, result_of
+from tests.conftest import topic_records
 from tests.stub_http import JsonHandler
 
 X = np.arange(4, dtype=np.float32)
@@ -38,19 +39,10 @@ def new_topic(bootstrap: str, partitions: int = 1) -> str:
 
 
 def read_topic(bootstrap: str, topic: str) -> list:
-    """Every record of the topic's partition 0, from the start to its end offset now."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
-    partition = TopicPartition(topic, 0)
-    consumer.assign([partition])
-    consumer.seek_to_beginning(partition)
-    end = consumer.end_offsets([partition])[partition]
-    records: list = []
-    deadline = time.monotonic() + 60  # a guard against hanging, not a measurement
-    while consumer.position(partition) < end and time.monotonic() < deadline:
-        for batch in consumer.poll(timeout_ms=500).values():
-            records.extend(batch)
-    consumer.close()
-    assert len(records) == end, f"read {len(records)} of {end} records"
+    """Every record of the topic, from the start to its end offset now."""
+    records = topic_records(bootstrap, topic)
+    written = records_written(bootstrap, [topic])[topic]
+    assert len(records) == written, f"read {len(records)} of {written} records"
     return records
 
 

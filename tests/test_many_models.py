@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import yaml
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 from onnx import TensorProto, helper, numpy_helper
 
 from client import InputQueue, OutputQueue
 from connectors.codec import Message, decode_message, encode_message
-from tests.conftest import collect
+from tests.conftest import collect, topic_records
 from tests.onnx_models import graph_model
 
 WIDTH = 4
@@ -236,21 +236,11 @@ def test_a_broken_new_version_is_reported_once_and_the_old_one_keeps_serving(tmp
 
 def versions_written(config) -> dict[str, list[int | None]]:
     """Every result record on the result topic (repeats included), as uri -> the versions that served it."""
-    topic = config.kafka.result_topic
-    consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning()
-        ends, seen = consumer.end_offsets(partitions), {}
-        while any(consumer.position(tp) < ends[tp] for tp in partitions):
-            for records in consumer.poll(timeout_ms=500).values():
-                for record in records:
-                    message = decode_message(record.value, 1 << 20)
-                    seen.setdefault(message.uri, []).append(message.model_version)
-        return seen
-    finally:
-        consumer.close()
+    seen: dict[str, list[int | None]] = {}
+    for record in topic_records(config.kafka.bootstrap_servers, config.kafka.result_topic):
+        message = decode_message(record.value, 1 << 20)
+        seen.setdefault(message.uri, []).append(message.model_version)
+    return seen
 
 
 def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first_served_it(

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from kafka import KafkaConsumer, TopicPartition
 
 from client import InputQueue, OutputQueue
 from ops.children import EmbeddedJob
@@ -25,7 +24,7 @@ from ops.processes import write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
 from connectors.admin import records_written
-from tests.conftest import collect
+from tests.conftest import collect, topic_records
 from tests.failing_job import FAILURE
 
 KILL_COUNT = 10_000
@@ -40,18 +39,7 @@ def results_written(config: ServingConfig) -> int:
 
 def count_results(config: ServingConfig, isolation_level: str) -> int:
     """Result records a reader with that isolation level sees, read from the start to the end."""
-    topic = config.kafka.result_topic
-    consumer = KafkaConsumer(bootstrap_servers=config.kafka.bootstrap_servers, isolation_level=isolation_level)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning()
-        ends, seen = consumer.end_offsets(partitions), 0
-        while any(consumer.position(tp) < ends[tp] for tp in partitions):
-            seen += sum(len(records) for records in consumer.poll(timeout_ms=500).values())
-        return seen
-    finally:
-        consumer.close()
+    return len(topic_records(config.kafka.bootstrap_servers, config.kafka.result_topic, isolation_level))
 
 
 # Requests per second the clients send: the job serves tens of thousands a second, so an unpaced
