@@ -22,11 +22,10 @@ from bridge.errors import ModelNotFound
 from bridge.model_info import ModelSignature, repository_signatures, request_input, servable_signature
 from conf import ConfigError, ServingConfig
 from conf.repository import Repository, Servable, rescan
+from connectors.inputs import Headers, request_headers
 
 log = logging.getLogger("cluster_serving.bridge")
 RESCAN_INTERVAL_S = 1.0
-MODEL_HEADER = "model"
-VERSION_HEADER = "version"
 MODEL_PLATFORM = "onnxruntime_onnx"
 PIPELINE_PLATFORM = "ensemble"  # Triton's name for a pipeline of models
 
@@ -40,7 +39,7 @@ class Target:
     version: int | None
     signature: ModelSignature
     image_inputs: frozenset[str]
-    headers: list[tuple[str, bytes]]
+    headers: Headers
 
     @property
     def version_label(self) -> str:
@@ -157,9 +156,7 @@ class Catalog:
         key = (servable.name, named)
         target = self._targets.get(key)
         if target is None:
-            headers = [(MODEL_HEADER, servable.name.encode())]
-            if named is not None:
-                headers.append((VERSION_HEADER, str(named).encode()))
+            headers = request_headers(servable.name, named) or []
             number = servable.versions[-1] if named is None else named
             target = Target(
                 servable.name, named, reading.signatures[(servable.name, number)], image_inputs(reading, servable), headers

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import numbers
 import sys
 import time
 import urllib.error
@@ -23,10 +22,9 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from conf import KAFKA_RECORD_BYTES, defaults
-from conf.repository import NAME as MODEL_NAME
 from connectors.admin import READ_COMMITTED, LagProbe
 from connectors.codec import DecodeError, decode_message
-from connectors.inputs import Result, encode_request, result_of
+from connectors.inputs import Headers, Result, checked_model, encode_request, request_headers, result_of
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +35,6 @@ PROGRESS_EVERY_S = 1.0
 # The queue-full guard asks Kafka for the lag at most this often (it costs three requests).
 LAG_CHECK_EVERY_S = 0.5
 WHEN_FULL = ("block", "refuse")
-# The Kafka record headers that name a request's model (UTF-8) and version (decimal text); a
-# request without them goes to the default model, at the newest version the job serves.
-MODEL_HEADER, VERSION_HEADER = "model", "version"
-MAX_VERSION = 2**63 - 1  # the job reads versions as int64
-Headers = list[tuple[str, bytes]]
 
 
 class QueueFullError(RuntimeError):
@@ -61,28 +54,6 @@ class PredictError(RuntimeError):
 # with 256 KiB batches, 1,973-3,108 with 1 MiB; small requests 5.8k -> 26-32k req/s; busy machine).
 # A linger of 1 ms instead of 5 gave the same rates (two runs each), and 4 ms less latency.
 PRODUCER_BATCH_BYTES = 1024 * 1024
-
-
-def request_headers(model: str | None, version: int | None) -> Headers | None:
-    """The record headers naming `model` and `version` (None: no header); a name the repository
-    cannot hold or a version that is not a positive integer raises ValueError."""
-    headers: Headers = []
-    if model is not None:
-        headers.append((MODEL_HEADER, checked_model(model).encode()))
-    if version is not None:
-        if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 1 <= version <= MAX_VERSION:
-            raise ValueError(f"version must be a positive integer (a version folder's name), got {version!r}")
-        headers.append((VERSION_HEADER, str(int(version)).encode()))
-    return headers or None
-
-
-def checked_model(model: str) -> str:
-    if not isinstance(model, str) or not MODEL_NAME.fullmatch(model):
-        raise ValueError(
-            f"model must be a model repository name ({MODEL_NAME.pattern}), got {model!r}; "
-            "leave it out (None) for the default model"
-        )
-    return model
 
 
 class InputQueue:

@@ -9,11 +9,14 @@ import numpy as np
 from connectors.wire import v1, v2
 from connectors.wire.v2 import Served
 from connectors.wire.values import (
+    CONTROL_HEADER,
     MAX_RANK,
     MAX_TENSORS,
     MAX_URI_CHARS,
+    MODEL_HEADER,
     TOP_N_CLASSES,
     TOP_N_PROBABILITIES,
+    VERSION_HEADER,
     DecodeError,
     EncodedImage,
     Message,
@@ -23,7 +26,7 @@ from connectors.wire.values import (
 )
 
 __all__ = [
-    "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
+    "CONTROL_HEADER", "MODEL_HEADER", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
     "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
     "encode_rows",
 ]

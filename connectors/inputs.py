@@ -1,4 +1,5 @@
-"""A request's inputs as users write them, read into wire values, and a result as users see it.
+"""A request's inputs as users write them, read into wire values, the record headers that name the
+model and version to serve it, and a result as users see it.
 
 The client library (`enqueue`) and the HTTP bridge (JSON instances) read inputs here alike, each
 value by its kind (connectors/wire/kinds.py, which lists the forms of the four input types).
@@ -6,12 +7,16 @@ value by its kind (connectors/wire/kinds.py, which lists the forms of the four i
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, Value, encode_message
+from conf.repository import NAME as MODEL_NAME
+from connectors.codec import (
+    MODEL_HEADER, TOP_N_CLASSES, TOP_N_PROBABILITIES, VERSION_HEADER, Message, Value, encode_message,
+)
 from connectors.tensors import TensorError
 from connectors.wire.kinds import KINDS, JsonHints
 
@@ -31,6 +36,32 @@ class Result(dict[Any, Any]):
         if self.model is None and self.version is None:
             return super().__repr__()
         return f"Result({super().__repr__()}, model={self.model!r}, version={self.version!r})"
+
+
+MAX_VERSION = 2**63 - 1  # the job reads versions as int64
+Headers = list[tuple[str, bytes]]
+
+
+def request_headers(model: str | None, version: int | None) -> Headers | None:
+    """The record headers naming `model` and `version` (None: no header); a name the repository
+    cannot hold or a version that is not a positive integer raises ValueError."""
+    headers: Headers = []
+    if model is not None:
+        headers.append((MODEL_HEADER, checked_model(model).encode()))
+    if version is not None:
+        if isinstance(version, bool) or not isinstance(version, numbers.Integral) or not 1 <= version <= MAX_VERSION:
+            raise ValueError(f"version must be a positive integer (a version folder's name), got {version!r}")
+        headers.append((VERSION_HEADER, str(int(version)).encode()))
+    return headers or None
+
+
+def checked_model(model: str) -> str:
+    if not isinstance(model, str) or not MODEL_NAME.fullmatch(model):
+        raise ValueError(
+            f"model must be a model repository name ({MODEL_NAME.pattern}), got {model!r}; "
+            "leave it out (None) for the default model"
+        )
+    return model
 
 
 def encode_request(uri: str, data: Mapping[str, Any]) -> bytes:

@@ -23,10 +23,10 @@ from kafka import KafkaProducer
 from conf import ConfigError, ServingConfig
 from conf.repository import Repository, RoutingTable, Servable, rescan, servable_stages
 from connectors.admin import client_properties
+from connectors.codec import CONTROL_HEADER
 from job.servables import open_version
 
 log = logging.getLogger(__name__)
-CONTROL_HEADER = "cluster-serving-control"
 
 
 def send_table(config: ServingConfig, table: RoutingTable) -> None:

@@ -17,7 +17,7 @@ from kafka import KafkaProducer
 from onnx import TensorProto, helper, numpy_helper
 
 from client import InputQueue, OutputQueue
-from connectors.codec import Message, decode_message, encode_message
+from connectors.codec import CONTROL_HEADER, Message, decode_message, encode_message
 from tests.conftest import collect, topic_records
 from tests.onnx_models import graph_model
 
@@ -295,7 +295,7 @@ def test_hostile_headers_and_control_records_cost_their_own_request_only(tmp_pat
     ):
         producer.send(kafka.input_topic, key=uri.encode(), value=body[uri], headers=headers)
     for garbage in (b"", b"not a table", b"9" * 30 + b"\tscale\nscale\t0\t0\t1"):
-        producer.send(kafka.input_topic, value=garbage, headers=[("cluster-serving-control", b"")])
+        producer.send(kafka.input_topic, value=garbage, headers=[(CONTROL_HEADER, b"")])
     producer.send(kafka.input_topic, key=b"good", value=body["good"])
     producer.flush()
     producer.close()

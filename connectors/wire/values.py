@@ -17,6 +17,12 @@ NUMERIC_DTYPES = frozenset(
      "float16", "float32", "float64"}
 )
 STRING_DTYPE = "str"
+# Kafka record headers of a request: the model (UTF-8 name) and version (decimal text) that are
+# to serve it, absent for the default model and its newest version; and the header that marks a
+# record as a routing table from the job's repository poller, not a request.
+MODEL_HEADER = "model"
+VERSION_HEADER = "version"
+CONTROL_HEADER = "cluster-serving-control"
 # The two tensors of a top-N result (metadata cs.top_n).
 TOP_N_CLASSES = "classes"
 TOP_N_PROBABILITIES = "probabilities"
