@@ -131,6 +131,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
         row("job latency, paced (enqueue -> result)", lambda m: (
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
+        row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
         row("HTTP requests", lambda m: m["http_protocol"]),
         *(row(f"HTTP, {plural(clients, 'client')}", lambda m, key=str(clients): (
             f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),

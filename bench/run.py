@@ -87,6 +87,9 @@ PACING_SLEEP_S = 0.001
 MULTI_MODELS = ("a", "b")
 MULTI_MODEL_SOURCE = "mlp"
 MULTI_MODEL_REQUESTS = 100_000
+# The bench's topics stamp each record when the broker appends it, so the paced phase can tell the
+# job's share of a request's latency from the clients'.
+BROKER_TIMESTAMPS = {"message.timestamp.type": "LogAppendTime"}
 
 
 @dataclass
@@ -95,6 +98,7 @@ class Arrival:
     batch_size: int | None
     error: bool
     model: str | None = None  # the model that served it, as its result says
+    appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
 
 
 class ResultReader:
@@ -135,7 +139,7 @@ class ResultReader:
                         self.duplicates += 1
                         continue
                     self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None,
-                                                         message.model)
+                                                         message.model, record.timestamp)
 
 
 class PlainLoop(ChildProcess):
@@ -241,11 +245,43 @@ def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
             "mb_per_s": rate * model.instance_bytes / 1e6}
 
 
+def topic_ends(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:
+    """The end offset of each partition of `topic` now."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+    try:
+        return consumer.end_offsets([TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()])
+    finally:
+        consumer.close()
+
+
+def append_times(bootstrap_servers: str, since: dict[TopicPartition, int]) -> dict[str, int]:
+    """When the broker appended each request from `since` to the end, by uri, in ms since the
+    epoch (LogAppendTime; control records have no uri)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+    try:
+        ends = consumer.end_offsets(list(since))
+        consumer.assign(list(since))
+        for partition, offset in since.items():
+            consumer.seek(partition, offset)
+        appended: dict[str, int] = {}
+        while any(consumer.position(partition) < ends[partition] for partition in since):
+            for records in consumer.poll(timeout_ms=500).values():
+                appended.update((record.key.decode(), record.timestamp) for record in records if record.key)
+        return appended
+    finally:
+        consumer.close()
+
+
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
                   rate: float, uris: list[str]) -> dict[str, Any]:
-    """Enqueue -> result read of requests sent at `rate` to the running job. The sender is a process
-    of its own: beside the reader's thread, under one GIL, it sent 2,400 of 20,000 req/s asked."""
+    """Enqueue -> result read of requests sent at `rate` to the running job, and the job's share of
+    it: the request's append to the input topic -> its result's append to the result topic, both
+    stamped by the broker, so the sender's and the reader's time (clients on the same cores) are
+    not in it. The sender is a process of its own: beside the reader's thread, under one GIL, it
+    sent 2,400 of 20,000 req/s asked."""
     progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s ...")
+    kafka = config.kafka
+    since = topic_ends(kafka.bootstrap_servers, kafka.input_topic)
     context = multiprocessing.get_context("spawn")
     stamps = context.Queue()
     sender = context.Process(target=paced_sender, args=(config, uris, model.input_name, samples, rate, stamps))
@@ -256,7 +292,10 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     # One client process may not keep up with half a high capacity: say what it really sent.
     sent_rate = (len(uris) - 1) / (sent[uris[-1]] - sent[uris[0]])
     latencies = [(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in uris if uri in reader.arrivals]
-    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), **latency_ms(latencies)}
+    appended = append_times(kafka.bootstrap_servers, since)
+    in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
+    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), **latency_ms(latencies),
+            "job_share": latency_ms(in_job)}
 
 
 def paced_sender(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float,
@@ -277,7 +316,7 @@ def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Na
         flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads}, **sections,
     )
     config = load_config(path)
-    ensure_topics(config.kafka)
+    ensure_topics(config.kafka, topic_configs=BROKER_TIMESTAMPS)
     return config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,9 +61,10 @@ def quiet_admin_client(bootstrap_servers: str, timeout_s: float, **properties: A
         )
 
 
-def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
-    """Creates the input and result topics when missing; an unreachable broker is a ConfigError,
-    found by a TCP probe of about a second before any Kafka client waits `timeout_s` for it."""
+def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Mapping[str, str] | None = None) -> None:
+    """Creates the input and result topics when missing (with `topic_configs` added to their
+    settings); an unreachable broker is a ConfigError, found by a TCP probe of about a second
+    before any Kafka client waits `timeout_s` for it."""
     if not broker_reachable(kafka.bootstrap_servers):
         raise unreachable(kafka.bootstrap_servers)
     try:
@@ -74,8 +75,8 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0) -> None:
         existing = set(admin.list_topics())
         wanted = [kafka.input_topic, kafka.result_topic]
         # Records up to KAFKA_RECORD_BYTES, whatever the broker's own default (Kafka's is 1 MiB).
-        topic_configs = {"max.message.bytes": str(KAFKA_RECORD_BYTES)}
-        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs=topic_configs)
+        settings = {"max.message.bytes": str(KAFKA_RECORD_BYTES), **(topic_configs or {})}
+        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs=settings)
                    for topic in wanted if topic not in existing]
         if missing:
             try:
