@@ -62,7 +62,7 @@ from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from ops.processes import free_port, write_run_config
 from client.queues import InputQueue, OutputQueue
 from conf import ConfigError, ServingConfig, defaults, load_config
-from connectors.admin import ensure_topics
+from connectors.admin import end_offsets, ensure_topics, topic_records
 from connectors.codec import decode_message
 from connectors.tensors import ONNX_DTYPES
 from job.model import open_session
@@ -245,33 +245,6 @@ def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
             "mb_per_s": rate * model.instance_bytes / 1e6}
 
 
-def topic_ends(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:
-    """The end offset of each partition of `topic` now."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
-    try:
-        return consumer.end_offsets([TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()])
-    finally:
-        consumer.close()
-
-
-def append_times(bootstrap_servers: str, since: dict[TopicPartition, int]) -> dict[str, int]:
-    """When the broker appended each request from `since` to the end, by uri, in ms since the
-    epoch (LogAppendTime; control records have no uri)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
-    try:
-        ends = consumer.end_offsets(list(since))
-        consumer.assign(list(since))
-        for partition, offset in since.items():
-            consumer.seek(partition, offset)
-        appended: dict[str, int] = {}
-        while any(consumer.position(partition) < ends[partition] for partition in since):
-            for records in consumer.poll(timeout_ms=500).values():
-                appended.update((record.key.decode(), record.timestamp) for record in records if record.key)
-        return appended
-    finally:
-        consumer.close()
-
-
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
                   rate: float, uris: list[str]) -> dict[str, Any]:
     """Enqueue -> result read of requests sent at `rate` to the running job, and the job's share of
@@ -281,7 +254,7 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     sent 2,400 of 20,000 req/s asked."""
     progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s ...")
     kafka = config.kafka
-    since = topic_ends(kafka.bootstrap_servers, kafka.input_topic)
+    since = end_offsets(kafka.bootstrap_servers, kafka.input_topic)
     context = multiprocessing.get_context("spawn")
     stamps = context.Queue()
     sender = context.Process(target=paced_sender, args=(config, uris, model.input_name, samples, rate, stamps))
@@ -292,7 +265,9 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     # One client process may not keep up with half a high capacity: say what it really sent.
     sent_rate = (len(uris) - 1) / (sent[uris[-1]] - sent[uris[0]])
     latencies = [(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in uris if uri in reader.arrivals]
-    appended = append_times(kafka.bootstrap_servers, since)
+    # When the broker appended each request (LogAppendTime, ms), by uri; control records have none.
+    appended = {record.key.decode(): record.timestamp
+                for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
     return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), **latency_ms(latencies),
             "job_share": latency_ms(in_job)}

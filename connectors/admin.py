@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -114,6 +116,37 @@ def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:
 
 def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
     return [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+def end_offsets(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:
+    """Each partition's end offset now: where records written after this call will start."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+    try:
+        return consumer.end_offsets(_partitions(consumer, topic))
+    finally:
+        consumer.close()
+
+
+def topic_records(bootstrap_servers: str, topic: str, isolation_level: str = "read_uncommitted", *,
+                  since: dict[TopicPartition, int] | None = None, timeout_s: float = 60.0) -> list[ConsumerRecord]:
+    """Every record a reader with that isolation level sees on the topic, all partitions, from
+    `since` (end_offsets of an earlier call; None: the start) to the end offsets at this call.
+    For inspecting a topic (tests, the bench), not for serving: it holds them all in memory."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level=isolation_level)
+    try:
+        partitions = _partitions(consumer, topic)
+        consumer.assign(partitions)
+        consumer.seek_to_beginning()
+        for partition, offset in (since or {}).items():
+            consumer.seek(partition, offset)
+        ends, records = consumer.end_offsets(partitions), []
+        deadline = time.monotonic() + timeout_s  # a guard against hanging, not a measurement
+        while any(consumer.position(tp) < ends[tp] for tp in partitions) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend(batch)
+        return records
+    finally:
+        consumer.close()
 
 
 def records_written(bootstrap_servers: str, topics: list[str], **properties: Any) -> dict[str, int]:

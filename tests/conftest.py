@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from client import InputQueue, OutputQueue
 from ops.children import EmbeddedJob, LocalBroker
@@ -100,24 +99,6 @@ def assert_served(config: ServingConfig, count: int, seed: int, timeout: float) 
         result = results[f"req-{i}"]
         assert "error" not in result, result
         np.testing.assert_allclose(result["probabilities"], expected[i], atol=1e-5)
-
-
-def topic_records(bootstrap_servers: str, topic: str, isolation_level: str = "read_uncommitted") -> list:
-    """Every record a reader with that isolation level sees on the topic, all partitions, from the
-    start to the end offsets at the call."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level=isolation_level)
-    try:
-        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(partitions)
-        consumer.seek_to_beginning()
-        ends, records = consumer.end_offsets(partitions), []
-        deadline = time.monotonic() + 60  # a guard against hanging, not a measurement
-        while any(consumer.position(tp) < ends[tp] for tp in partitions) and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                records.extend(batch)
-        return records
-    finally:
-        consumer.close()
 
 
 def http_call(url: str, body: object = None, headers: dict[str, str] | None = None) -> tuple[int, object]:

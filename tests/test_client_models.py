@@ -22,7 +22,7 @@ from conf import KAFKA_RECORD_BYTES
 from connectors.admin import records_written
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
 from connectors.inputs import Result, result_of
-from tests.conftest import topic_records
+from connectors.admin import topic_records
 from tests.stub_http import JsonHandler
 
 X = np.arange(4, dtype=np.float32)

@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from client import InputQueue, OutputQueue
 from connectors.codec import CONTROL_HEADER, Message, decode_message, encode_message
-from tests.conftest import collect, topic_records
+from connectors.admin import topic_records
+from tests.conftest import collect
 from tests.onnx_models import graph_model
 
 WIDTH = 4

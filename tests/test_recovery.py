@@ -24,7 +24,8 @@ from ops.processes import write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
 from connectors.admin import records_written
-from tests.conftest import collect, topic_records
+from connectors.admin import topic_records
+from tests.conftest import collect
 from tests.failing_job import FAILURE
 
 KILL_COUNT = 10_000
