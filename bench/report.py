@@ -129,7 +129,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
         row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
-        row("job latency, paced (enqueue -> result)", lambda m: (
+        row("job latency, paced (send -> result read)", lambda m: (
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
         row("HTTP requests", lambda m: m["http_protocol"]),

@@ -13,8 +13,10 @@ requests), all measured in this run on this machine:
 3. the job: capacity = the rate at which it drains a backlog put on the input topic before it
    starts, timed by the result topic's end offsets (read every 20 ms, so the client's own decoding
    speed is not in the figure; counted from the first reading past a warm-up share of the backlog,
-   which absorbs start-up, to the last); then latency (enqueue -> result read) of requests paced
-   at half that capacity (or --rate);
+   which absorbs start-up, to the last); then latency (send -> result read) of requests paced
+   at half that capacity (or --rate) for --latency-seconds, after 10 s at that rate untimed;
+   the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
+   cores to the job, and the job's share is told apart by the broker's append times;
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
    requests over a kept-alive connection to the bridge: throughput and latency as they see them;
 5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush),
@@ -42,19 +44,17 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import yaml
-from kafka import KafkaConsumer, TopicPartition
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
+from bench.kafka_load import ResultReader, paced_sender
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.cli import OneLineParser
@@ -63,7 +63,6 @@ from ops.processes import free_port, write_run_config
 from client.queues import InputQueue, OutputQueue
 from conf import ConfigError, ServingConfig, defaults, load_config
 from connectors.admin import end_offsets, ensure_topics, topic_records
-from connectors.codec import decode_message
 from connectors.tensors import ONNX_DTYPES
 from job.model import open_session
 
@@ -76,12 +75,14 @@ HTTP_WARMUP = 8
 HTTP_MIN_REQUESTS = 100
 # The paced phase runs at this share of the measured capacity: loaded, not saturated.
 LATENCY_LOAD = 0.5
+# The paced phase's length, after LATENCY_WARMUP_S at its rate untimed. The job's JVM is young when
+# the phase starts (a minute or two old, its JIT compilers still busy): with 1 s untimed the job's
+# share of the latency was p99 126 ms at 27,785 req/s; with 10 s, p99 18 ms at 31,000 req/s.
+LATENCY_SECONDS = 10.0
+LATENCY_WARMUP_S = 10.0
+LATENCY_MIN_REQUESTS = 100
 DRAIN_TIMEOUT_S = 900.0
 DEFAULT_HIDDEN = 256
-# The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
-# sleeping at least this long sends the requests that came due meanwhile together, in bursts of
-# rate x 1 ms, each stamped when it is really sent.
-PACING_SLEEP_S = 0.001
 # The two-model drain: the models of its repository (both the mlp) and its default backlog, half the
 # mlp's: about 2 s of drain at the job's mlp capacity on the 2-core development machine.
 MULTI_MODELS = ("a", "b")
@@ -90,56 +91,6 @@ MULTI_MODEL_REQUESTS = 100_000
 # The bench's topics stamp each record when the broker appends it, so the paced phase can tell the
 # job's share of a request's latency from the clients'.
 BROKER_TIMESTAMPS = {"message.timestamp.type": "LogAppendTime"}
-
-
-@dataclass
-class Arrival:
-    seconds: float
-    batch_size: int | None
-    error: bool
-    model: str | None = None  # the model that served it, as its result says
-    appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
-
-
-class ResultReader:
-    """Reads a result topic from its start and stamps when each uri's result arrived."""
-
-    def __init__(self, bootstrap_servers: str, topic: str):
-        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
-        partitions = self.consumer.partitions_for_topic(topic)
-        self.consumer.assign([TopicPartition(topic, p) for p in partitions])
-        self.consumer.seek_to_beginning()
-        self.arrivals: dict[str, Arrival] = {}
-        self.duplicates = 0
-
-    def drain_rate(self, start: int, end: int, alive: Callable[[], bool]) -> float:
-        """Results per second while the result topic grew past `start` records up to `end`, from
-        the counts actually read at both ends: the server may be far past `start` at the first
-        reading. NaN when it never reached `end`, or when the server stopped being `alive` first."""
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        partitions = list(self.consumer.assignment())
-        first: tuple[float, int] | None = None
-        while time.monotonic() < deadline and alive():
-            total, now = sum(self.consumer.end_offsets(partitions).values()), time.perf_counter()
-            if first is None and total >= start:
-                first = (now, total)
-            if first is not None and total >= end and now > first[0]:
-                return (total - first[1]) / (now - first[0])
-            time.sleep(0.02)
-        return float("nan")
-
-    def read_until(self, uris: list[str], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(uri in self.arrivals for uri in uris) and time.monotonic() < deadline:
-            for records in self.consumer.poll(timeout_ms=100).values():
-                now = time.perf_counter()
-                for record in records:
-                    message = decode_message(record.value, 1 << 28)
-                    if message.uri in self.arrivals:
-                        self.duplicates += 1
-                        continue
-                    self.arrivals[message.uri] = Arrival(now, message.batch_size, message.error is not None,
-                                                         message.model, record.timestamp)
 
 
 class PlainLoop(ChildProcess):
@@ -158,19 +109,13 @@ def progress(model: str, text: str) -> None:
     print(f"[bench] {model}: {text}", file=sys.stderr, flush=True)
 
 
-def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float,
-                sent: dict[str, float], models: tuple[str, ...] = ()) -> None:
-    """Sends one request per uri (input `name`, cycling through `samples`), at `rate` per second
-    or as fast as possible (rate 0), with InputQueue.enqueue and one flush at the end; with
-    `models`, request i names models[i % len(models)] (none: the default model)."""
-    interval = 1.0 / rate if rate else 0.0
-    started = time.perf_counter()
+def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray,
+                models: tuple[str, ...] = ()) -> None:
+    """Sends one request per uri (input `name`, cycling through `samples`) as fast as InputQueue.enqueue
+    goes, with one flush at the end; with `models`, request i names models[i % len(models)] (none:
+    the default model)."""
     with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
         for i, uri in enumerate(uris):
-            ahead = started + i * interval - time.perf_counter()
-            if ahead > 0:  # never a busy wait, which took a core of two from the job; see PACING_SLEEP_S
-                time.sleep(max(ahead, PACING_SLEEP_S))
-            sent[uri] = time.perf_counter()
             inputs.enqueue(uri, model=models[i % len(models)] if models else None, **{name: samples[i % len(samples)]})
         inputs.flush()
 
@@ -214,7 +159,7 @@ def timed_drain(reader: ResultReader, server: ChildProcess, start: int, end: int
     server is ready, and a fast one can drain much of the backlog by then. The caller stops it."""
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(server.start)
-        rate = reader.drain_rate(start, end, lambda: not starting.done() or server.running)
+        rate = reader.drain_rate(start, end, lambda: not starting.done() or server.running, DRAIN_TIMEOUT_S)
         starting.result()  # a server that did not start raises here, with its log
     if math.isnan(rate):
         raise RuntimeError(f"{server.module} did not write {end} results:\n{server.log_tail()}")
@@ -225,11 +170,12 @@ def plain_loop_rate(config_path: Path, config: ServingConfig, topic: str, start:
                     log_path: Path) -> float:
     """Drain rate of the plain loop over the backlog already on the input topic, run while
     nothing else serves, so it has the cores to itself as the job will."""
-    loop = PlainLoop(config_path, topic, log_path)
+    loop, reader = PlainLoop(config_path, topic, log_path), ResultReader(config.kafka.bootstrap_servers, topic)
     try:
-        return timed_drain(ResultReader(config.kafka.bootstrap_servers, topic), loop, start, end)
+        return timed_drain(reader, loop, start, end)
     finally:
         loop.stop()
+        reader.close()
 
 
 def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str],
@@ -239,29 +185,39 @@ def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
     the repository's models the requests name in turn (enqueue_all)."""
     progress(label or model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
     started = time.perf_counter()
-    enqueue_all(config, uris, model.input_name, samples, 0.0, {}, models)
+    enqueue_all(config, uris, model.input_name, samples, models)
     rate = len(uris) / (time.perf_counter() - started)
     return {"method": "InputQueue.enqueue, one thread, one flush", "rate": rate,
             "mb_per_s": rate * model.instance_bytes / 1e6}
 
 
+def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
+    """(untimed first second, timed rest) of a paced phase of `seconds` at `rate`."""
+    timed = max(LATENCY_MIN_REQUESTS, round(rate * seconds))
+    return [f"paced-warmup-{i}" for i in range(round(rate * LATENCY_WARMUP_S))], [f"paced-{i}" for i in range(timed)]
+
+
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
-                  rate: float, uris: list[str]) -> dict[str, Any]:
-    """Enqueue -> result read of requests sent at `rate` to the running job, and the job's share of
-    it: the request's append to the input topic -> its result's append to the result topic, both
-    stamped by the broker, so the sender's and the reader's time (clients on the same cores) are
-    not in it. The sender is a process of its own: beside the reader's thread, under one GIL, it
-    sent 2,400 of 20,000 req/s asked."""
-    progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s ...")
+                  rate: float, warmup: list[str], uris: list[str]) -> dict[str, Any]:
+    """Send -> result read of requests sent at `rate` to the running job (`warmup` first, untimed),
+    and the job's share of it: the request's append to the input topic -> its result's append to
+    the result topic, both stamped by the broker, so the sender's and the reader's time (clients
+    on the same cores) are not in it. The sender is a process of its own: beside the reader's
+    thread, under one GIL, it sent 2,400 of 20,000 req/s asked."""
+    progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s "
+                         f"(after {len(warmup)} untimed), librdkafka clients ...")
     kafka = config.kafka
     since = end_offsets(kafka.bootstrap_servers, kafka.input_topic)
     context = multiprocessing.get_context("spawn")
     stamps = context.Queue()
-    sender = context.Process(target=paced_sender, args=(config, uris, model.input_name, samples, rate, stamps))
+    sender = context.Process(target=paced_sender, args=(
+        kafka.bootstrap_servers, kafka.input_topic, warmup + uris, model.input_name, samples, rate, stamps))
     sender.start()
-    reader.read_until(uris, timeout=300)
-    sent: dict[str, float] = stamps.get(timeout=60)
+    reader.read_until(warmup + uris, timeout=300 + len(warmup + uris) / rate)
+    sent, failed = stamps.get(timeout=60)
     sender.join()
+    if failed:
+        raise RuntimeError(f"the paced sender could not deliver {len(failed)} requests: {failed[0]}")
     # One client process may not keep up with half a high capacity: say what it really sent.
     sent_rate = (len(uris) - 1) / (sent[uris[-1]] - sent[uris[0]])
     latencies = [(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in uris if uri in reader.arrivals]
@@ -269,17 +225,8 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     appended = {record.key.decode(): record.timestamp
                 for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
-    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), **latency_ms(latencies),
-            "job_share": latency_ms(in_job)}
-
-
-def paced_sender(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float,
-                 stamps: multiprocessing.Queue) -> None:
-    """enqueue_all in a child process; its send times go back through `stamps` (perf_counter is
-    the system's monotonic clock, the same in every process)."""
-    sent: dict[str, float] = {}
-    enqueue_all(config, uris, name, samples, rate, sent)
-    stamps.put(sent)
+    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup),
+            **latency_ms(latencies), "job_share": latency_ms(in_job)}
 
 
 def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, **sections: Any) -> ServingConfig:
@@ -312,7 +259,6 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
     samples = model.samples(SAMPLES)
     warmup, backlog = backlog_uris("", args.requests or model.requests, args)
-    paced = [f"paced-{i}" for i in range(args.latency_requests or model.latency_requests)]
     enqueued = fill_backlog(config, model, samples, warmup + backlog)
 
     progress(model.name, "plain consumer loop (bench/baseline.py) draining the backlog ...")
@@ -327,10 +273,13 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         reader.read_until(warmup + backlog, timeout=300)
         progress(model.name, "OutputQueue.dequeue reading the results ...")
         dequeued = dequeue_rate(config, len(warmup) + len(backlog))
-        latency = paced_latency(config, reader, model, samples, args.rate or LATENCY_LOAD * capacity, paced)
+        rate = args.rate or LATENCY_LOAD * capacity
+        paced_warmup, paced = paced_uris(rate, args.latency_seconds)
+        latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced)
         served = http_phases(model, config_path, folder, samples, args)
     finally:
         job.stop()
+        reader.close()
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
@@ -344,7 +293,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "batches": batch_stats(sizes, args.batch_size),
         "latency": latency,
         "http": served,
-        "missing": sum(uri not in arrivals for uri in warmup + backlog + paced),
+        "missing": sum(uri not in arrivals for uri in warmup + backlog + paced_warmup + paced),
         "errors": sum(arrival.error for arrival in arrivals.values()),
     }
 
@@ -399,6 +348,7 @@ def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, fold
         reader.read_until(uris, timeout=300)
     finally:
         job.stop()
+        reader.close()
     arrivals = reader.arrivals
     served = {
         name: batch_stats([arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals and asked[uri] == name],
@@ -437,7 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, help=f"size of the backlog drained for capacity (default: {backlogs})")
     parser.add_argument("--warmup", type=int, help="requests before the timed backlog (default: a tenth of it; they "
                                                     "absorb the start and the JIT's first minute)")
-    parser.add_argument("--latency-requests", type=int, help="requests of the paced phase (default: per model)")
+    parser.add_argument("--latency-seconds", type=float, default=LATENCY_SECONDS,
+                        help=f"length of the paced phase, after {LATENCY_WARMUP_S:g} s at its rate untimed")
     parser.add_argument("--rate", type=float, help="requests per second of the paced phase "
                                                    "(default: half the capacity measured in this run)")
     parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")
@@ -463,8 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--models: unknown {unknown}; choose from {', '.join(models)}")
     if args.requests is not None and args.requests < 1000:
         parser.error("--requests: at least 1000, or the drain is too short to time")
-    if args.latency_requests is not None and args.latency_requests < 100:
-        parser.error("--latency-requests: at least 100, or p99 is one request's latency")
+    if args.latency_seconds <= 0:
+        parser.error("--latency-seconds: more than 0")
     if args.http_requests_per_client is not None and args.http_requests_per_client < 1:
         parser.error("--http-requests-per-client: at least 1")
     if args.multi_model_requests is None:

@@ -1,0 +1,155 @@
+"""Kafka load for the benchmark: a paced sender of requests and a reader that stamps when each
+result arrives, on librdkafka (confluent-kafka) rather than the product's kafka-python.
+
+They share the two cores of the development machine with the job they time, so they must cost
+little. At 31,000 req/s (half the mlp's capacity there), librdkafka's sender and reader used 0.32
+and 0.12 cores; kafka-python's used 0.77 and 0.37 and sent only 27,900 req/s, and the job's share
+of the latency rose from p99 20 to 85 ms under the contention. The product's own client is timed
+by the enqueue and dequeue phases (bench/run.py), not here."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+
+from conf import KAFKA_RECORD_BYTES
+from connectors.codec import decode_message
+from connectors.inputs import encode_request
+
+# The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
+# sleeping at least this long sends the requests that came due meanwhile together, in bursts of
+# rate x 1 ms, each stamped when it is really sent. (Spinning instead took a core of two from the job.)
+PACING_SLEEP_S = 0.001
+# What InputQueue's producer uses (client/queues.py): acks from every replica, 1 ms to fill a batch.
+SENDER_SETTINGS = {"acks": "all", "linger.ms": 1, "message.max.bytes": KAFKA_RECORD_BYTES}
+# Results handed over per call once the first has come (the rest are already fetched).
+CONSUME_BATCH = 1000
+METADATA_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Arrival:
+    seconds: float  # time.perf_counter() when the reader got it
+    batch_size: int | None
+    error: bool
+    model: str | None = None  # the model that served it, as its result says
+    appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while results are timed: a full collection walks every arrival kept
+    so far (hundreds of thousands after a drain) and stalled the reader for tens of ms."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class ResultReader:
+    """Reads a result topic from its start and stamps when each uri's result arrived."""
+
+    def __init__(self, bootstrap_servers: str, topic: str):
+        self.consumer = Consumer({
+            "bootstrap.servers": bootstrap_servers, "group.id": "cs-bench-reader", "enable.auto.commit": False,
+            # As kafka-python reads by default, and as the bench read before it moved to librdkafka.
+            "isolation.level": "read_uncommitted",
+        })
+        partitions = self.consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S).topics[topic].partitions
+        self.partitions = [TopicPartition(topic, partition) for partition in sorted(partitions)]
+        self.consumer.assign([TopicPartition(topic, p.partition, OFFSET_BEGINNING) for p in self.partitions])
+        self.arrivals: dict[str, Arrival] = {}
+        self.duplicates = 0
+
+    def written(self) -> int:
+        """Results on the topic now, all partitions (their end offsets)."""
+        return sum(self.consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
+                   for p in self.partitions)
+
+    def drain_rate(self, start: int, end: int, alive: Callable[[], bool], timeout_s: float) -> float:
+        """Results per second while the result topic grew past `start` records up to `end`, from
+        the counts actually read at both ends: the server may be far past `start` at the first
+        reading. NaN when it never reached `end`, or when the server stopped being `alive` first."""
+        deadline = time.monotonic() + timeout_s
+        first: tuple[float, int] | None = None
+        while time.monotonic() < deadline and alive():
+            total, now = self.written(), time.perf_counter()
+            if first is None and total >= start:
+                first = (now, total)
+            if first is not None and total >= end and now > first[0]:
+                return (total - first[1]) / (now - first[0])
+            time.sleep(0.02)
+        return float("nan")
+
+    def read_until(self, uris: list[str], timeout: float) -> None:
+        """Reads until every uri has its result (or `timeout`). Each result is stamped as it comes
+        and decoded afterwards, so decoding does not delay the stamps of the ones behind it."""
+        missing = set(uris) - self.arrivals.keys()
+        received: list[tuple[float, Message]] = []
+        deadline = time.monotonic() + timeout
+        with gc_paused():
+            while missing and time.monotonic() < deadline:
+                first = self.consumer.poll(0.1)
+                if first is None:
+                    continue
+                messages = [first, *self.consumer.consume(CONSUME_BATCH, 0)]
+                now = time.perf_counter()
+                for message in messages:
+                    if message.error():
+                        raise RuntimeError(f"reading the result topic: {message.error()}")
+                    received.append((now, message))
+                    missing.discard(message.key().decode())
+        for now, message in received:
+            self._add(now, message)
+
+    def _add(self, seconds: float, message: Message) -> None:
+        result = decode_message(message.value(), KAFKA_RECORD_BYTES)
+        if result.uri in self.arrivals:
+            self.duplicates += 1
+            return
+        self.arrivals[result.uri] = Arrival(seconds, result.batch_size, result.error is not None,
+                                            result.model, message.timestamp()[1])
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str, samples: np.ndarray,
+                 rate: float, stamps: multiprocessing.Queue) -> None:
+    """Sends one request per uri (input `name`, cycling through `samples`) at `rate` per second, as
+    InputQueue.enqueue would write it (key = uri, the same payload); run as a process of its own.
+    Puts (send time by uri, delivery errors) on `stamps`: perf_counter is the system's monotonic
+    clock, the same in every process."""
+    producer = Producer({"bootstrap.servers": bootstrap_servers, **SENDER_SETTINGS})
+    failed: list[str] = []
+
+    def delivered(error: KafkaError | None, _: Message) -> None:
+        if error is not None:
+            failed.append(str(error))
+
+    sent: dict[str, float] = {}
+    interval = 1.0 / rate
+    started = time.perf_counter()
+    for i, uri in enumerate(uris):
+        ahead = started + i * interval - time.perf_counter()
+        if ahead > 0:  # never a busy wait; see PACING_SLEEP_S
+            time.sleep(max(ahead, PACING_SLEEP_S))
+            producer.poll(0)
+        payload = encode_request(uri, {name: samples[i % len(samples)]})
+        sent[uri] = time.perf_counter()
+        while True:
+            try:
+                producer.produce(topic, key=uri.encode(), value=payload, on_delivery=delivered)
+                break
+            except BufferError:  # librdkafka's local queue is full: serve deliveries, then again
+                producer.poll(PACING_SLEEP_S)
+    unsent = producer.flush(60)
+    stamps.put((sent, failed + [f"{unsent} requests not delivered in 60 s"] * bool(unsent)))
