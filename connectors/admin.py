@@ -30,7 +30,12 @@ def client_properties(kafka: KafkaConfig) -> dict[str, str]:
     return {key.replace(".", "_"): value for key, value in kafka.properties.items()}
 
 
-def unreachable(bootstrap_servers: str, reason: str = "nothing accepts connections there") -> ConfigError:
+# Why no broker can be used at an address (broker_problem).
+NOTHING_LISTENS = "nothing accepts connections there"
+NOT_KAFKA = "something accepts connections there, but no Kafka broker answered"
+
+
+def unreachable(bootstrap_servers: str, reason: str = NOTHING_LISTENS) -> ConfigError:
     """The one line for a broker that cannot be reached, with what to do about it."""
     return ConfigError(
         f"kafka.bootstrap_servers: no Kafka broker reachable at {bootstrap_servers} ({reason}); "
@@ -65,10 +70,10 @@ def quiet_admin_client(bootstrap_servers: str, timeout_s: float, **properties: A
 
 def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Mapping[str, str] | None = None) -> None:
     """Creates the input and result topics when missing (with `topic_configs` added to their
-    settings); an unreachable broker is a ConfigError, found by a TCP probe of about a second
-    before any Kafka client waits `timeout_s` for it."""
-    if not broker_reachable(kafka.bootstrap_servers):
-        raise unreachable(kafka.bootstrap_servers)
+    settings); an unreachable broker, or a listener that is not one, is a ConfigError found in
+    seconds (broker_problem) before any Kafka client waits `timeout_s` for it."""
+    if problem := broker_problem(kafka):
+        raise unreachable(kafka.bootstrap_servers, problem)
     try:
         admin = quiet_admin_client(kafka.bootstrap_servers, timeout_s, **client_properties(kafka))
     except KafkaError as exc:
@@ -103,15 +108,26 @@ def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
     return False
 
 
-def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0) -> bool:
+def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0, **properties: Any) -> bool:
     """True when a Kafka broker, not just any listener, answers at the address: a port in use is
     a broker to use only if this holds (`start --local-broker` with the port taken)."""
     try:
-        admin = quiet_admin_client(bootstrap_servers, timeout_s)
+        admin = quiet_admin_client(bootstrap_servers, timeout_s, **properties)
     except KafkaError:
         return False
     admin.close()
     return True
+
+
+def broker_problem(kafka: KafkaConfig) -> str | None:
+    """Why the configured broker cannot be used (None: it can), asked before anything starts: a
+    listener that is not Kafka (a web server on the port, say) passes a TCP probe, and Kafka
+    clients then retry for their whole timeout and fail with a bare KafkaTimeoutError."""
+    if not broker_reachable(kafka.bootstrap_servers):
+        return NOTHING_LISTENS
+    if not kafka_answers(kafka.bootstrap_servers, **client_properties(kafka)):
+        return NOT_KAFKA
+    return None
 
 
 def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:

@@ -14,7 +14,7 @@ from bridge.model_info import repository_signatures
 from conf import JOB_NAME, ConfigError, ServingConfig
 from conf.repository import check_stages
 from connectors.admin import (
-    broker_reachable, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
+    broker_problem, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
 )
 from connectors.flink_rest import FlinkRest, FlinkRestError
 from connectors.local_broker import find_java, kafka_version, port_taken
@@ -56,8 +56,8 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     if http:
         check_port("http.port", config.http.host, config.http.port)
     if not local_broker:
-        if not broker_reachable(config.kafka.bootstrap_servers):
-            raise unreachable(config.kafka.bootstrap_servers)
+        if problem := broker_problem(config.kafka):
+            raise unreachable(config.kafka.bootstrap_servers, problem)
     elif broker_to_start(config):
         kafka_version()  # the broker's jars are there
     elif not kafka_answers(config.kafka.bootstrap_servers):
@@ -122,8 +122,8 @@ def lag_text(backlog: int | None, committed: int, group: str) -> str:
 def kafka_figures(config: ServingConfig, backlog: int | None) -> dict[str, object]:
     """The input lag, and requests in / results out per second over one second."""
     kafka = config.kafka
-    if not broker_reachable(kafka.bootstrap_servers):
-        return {"broker": f"not reachable at {kafka.bootstrap_servers}"}
+    if problem := broker_problem(kafka):
+        return {"broker": f"not usable at {kafka.bootstrap_servers}: {problem}"}
     properties = client_properties(kafka)
     topics = [kafka.input_topic, kafka.result_topic]
     before = records_written(kafka.bootstrap_servers, topics, **properties)

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from conf import load_config
+from connectors.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
 from ops.cli import init_folder
 from ops.instances import REGISTRY_ENV
 from ops.children import LocalBroker
@@ -37,6 +38,7 @@ CLI = ("-m", "ops.cli")
 HOLDER = """
 import sys, time
 from conf import load_config
+from connectors.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
 from ops.instances import Instance, claim
 broker_port = int(sys.argv[3]) if len(sys.argv) > 3 else None
 claim(Instance.of(sys.argv[2], load_config(sys.argv[1]), http=True, broker_port=broker_port))
@@ -232,6 +234,8 @@ CASES = [
     Case("start: a missing connector jar", (*CLI, "start", "-c", "{config}"), "flink.jars: jar not found",
          lambda scene: scene.use(config=scene.config(flink={"jars": ["/nowhere/connector.jar"]}))),
     Case("start: an unreachable broker", (*CLI, "start", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
+    Case("start: something else listens at the broker's address", (*CLI, "start", "-c", "{config}"),
+         "no Kafka broker answered", broker_port_not_kafka),
     Case("start: the Flink REST port taken", (*CLI, "start", "-c", "{config}"), "flink.rest_port: 127.0.0.1:", rest_port_taken),
     Case("start: the HTTP port taken", (*CLI, "start", "-c", "{config}"), "http.port: 127.0.0.1:", http_port_taken),
     Case("start --local-broker: the broker port taken by something else", (*CLI, "start", "-c", "{config}", "--local-broker"),
@@ -258,9 +262,13 @@ CASES = [
     Case("http: no model file", (*CLI, "http", "-c", "{config}"), "model.path: model file not found", missing_model),
     Case("http: the port taken", (*CLI, "http", "-c", "{config}"), "http.port: cannot listen on", http_port_taken),
     Case("http: an unreachable broker", (*CLI, "http", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
+    Case("http: something else listens at the broker's address", (*CLI, "http", "-c", "{config}"),
+         "no Kafka broker answered", broker_port_not_kafka),
     Case("bridge alone: a model that is not ONNX", ("-m", "bridge.server", "-c", "{config}"), "not an ONNX model", not_onnx),
     Case("job alone: the Flink REST port taken", ("-m", "job.main", "-c", "{config}"), "flink.rest_port: 127.0.0.1:", rest_port_taken),
     Case("job alone: an unreachable broker", ("-m", "job.main", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
+    Case("job alone: something else listens at the broker's address", ("-m", "job.main", "-c", "{config}"),
+         "no Kafka broker answered", broker_port_not_kafka),
     Case("job alone: no Java", ("-m", "job.main", "-c", "{config}"), "java not found", valid, no_java=True),
     Case("init: a file where the folder goes", (*CLI, "init", "{config}"), "is a file", valid),
     Case("broker: the port taken", (*CLI, "broker", "--port", "{port}", "--data", "{data}"), "is in use",
@@ -302,3 +310,26 @@ def test_one_error_line(case: Case, scene: Scene) -> None:
     assert elapsed < LOCAL_S, f"{elapsed:.1f} s\n{shown}"
     holders = {holder.pid for holder in scene.holders}
     assert [pid for pid in pids_naming(scene.tmp) if pid not in holders] == [], "a process was left behind"
+
+
+def test_broker_problem_tells_nothing_listening_a_stranger_and_a_broker_apart(scene: Scene) -> None:
+    """A listener that is not Kafka passes the TCP probe; `start`, `status`, the job and the bridge
+    must still say so in seconds instead of retrying for a Kafka client's whole timeout."""
+    config = load_config(scene.config())
+    stranger = config.kafka.model_copy(update={"bootstrap_servers": f"127.0.0.1:{scene.listen()}"})
+    nobody = config.kafka.model_copy(update={"bootstrap_servers": f"127.0.0.1:{free_port()}"})
+    assert (broker_problem(nobody), broker_problem(stranger), broker_problem(config.kafka)) == (
+        NOTHING_LISTENS, NOT_KAFKA, None)
+
+
+def test_status_names_a_listener_that_is_not_kafka(scene: Scene) -> None:
+    """`status` is no error (nothing runs), but its broker line says what is wrong there, in seconds."""
+    address = f"127.0.0.1:{scene.listen()}"
+    scene.use(config=scene.config(kafka={"bootstrap_servers": address}))
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, *CLI, "status", "-c", scene.values["config"]], cwd=scene.tmp,
+                          env=scene.env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - began
+    broker_lines = [line for line in done.stdout.splitlines() if line.startswith("broker:")]
+    assert broker_lines == [f"broker: not usable at {address}: {NOT_KAFKA}"], done
+    assert elapsed < LOCAL_S, f"{elapsed:.1f} s"
