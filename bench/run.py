@@ -57,11 +57,11 @@ from bench.http_load import http_load, http_protocol, predict_requests
 from bench.kafka_load import ResultReader, paced_sender
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
-from ops.cli import OneLineParser
 from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from ops.processes import free_port, write_run_config
 from client.queues import InputQueue, OutputQueue
 from conf import ConfigError, ServingConfig, defaults, load_config
+from conf.command_line import OneLineParser
 from connectors.admin import end_offsets, ensure_topics, topic_records
 from connectors.tensors import ONNX_DTYPES
 from job.model import open_session

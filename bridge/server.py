@@ -9,7 +9,6 @@ Every error is `{"error": "<message>"}`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -28,6 +27,7 @@ from bridge.http.app import create_app
 from bridge.http_json import json_bytes
 from bridge.metrics import BridgeMetrics
 from conf import ConfigError, load_config
+from conf.command_line import config_parser
 
 log = logging.getLogger("cluster_serving.bridge")
 READY_LINE = "http bridge listening on "
@@ -129,9 +129,7 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bridge.server", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
-    return serve(parser.parse_args(argv).config)
+    return serve(config_parser("bridge.server", __doc__.splitlines()[0]).parse_args(argv).config)
 
 
 if __name__ == "__main__":

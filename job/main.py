@@ -8,7 +8,6 @@ Or submit to a running Flink cluster:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ if __package__ in (None, ""):  # `flink run -py job/main.py` runs this file as a
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conf import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
+from conf.command_line import config_parser  # noqa: E402
 from conf.repository import Repository, RoutingTable, checked_scan  # noqa: E402
 from connectors.admin import ensure_topics  # noqa: E402
 from connectors.local_broker import find_java, port_taken  # noqa: E402
@@ -273,8 +273,7 @@ def stop_with_savepoint(client: JobClient, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
-    parser = argparse.ArgumentParser(prog="job.main", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", "-c", help="config file (default: conf/config.yaml)")
+    parser = config_parser("job.main", __doc__.splitlines()[0])
     parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
     args = parser.parse_args(argv)
     configure_logging()

@@ -27,9 +27,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 from conf import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from conf.command_line import OneLineParser
 from connectors.local_broker import BrokerError
 from ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from ops.demo import run_demo
@@ -143,14 +143,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_demo(config, config_path, folder, args.requests, args.no_wait)
     finally:
         held.release()
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage mistake is one `error:` line that says where the help is, like every other mistake,
-    instead of argparse's usage block and a second, prog-prefixed line."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
