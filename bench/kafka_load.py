@@ -46,7 +46,9 @@ class Arrival:
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No garbage collection while results are timed: a full collection walks every arrival kept
-    so far (hundreds of thousands after a drain) and stalled the reader for tens of ms."""
+    so far, hundreds of thousands after a drain. At 31,000 req/s, the time from a result's append
+    to its read was p99 65-76 ms with the collector on (its older objects frozen), 11-16 with it off
+    (one run each)."""
     gc.disable()
     try:
         yield

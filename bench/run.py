@@ -192,7 +192,7 @@ def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
 
 
 def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
-    """(untimed first second, timed rest) of a paced phase of `seconds` at `rate`."""
+    """(LATENCY_WARMUP_S untimed, `seconds` timed) of requests at `rate`."""
     timed = max(LATENCY_MIN_REQUESTS, round(rate * seconds))
     return [f"paced-warmup-{i}" for i in range(round(rate * LATENCY_WARMUP_S))], [f"paced-{i}" for i in range(timed)]
 
