@@ -43,6 +43,18 @@ class Arrival:
     appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
 
 
+def paced(count: int, rate: float) -> Iterator[int]:
+    """0 to count - 1, each once it falls due at `rate` per second (0: all at once), never by a busy
+    wait (see PACING_SLEEP_S)."""
+    interval = 1.0 / rate if rate else 0.0
+    started = time.perf_counter()
+    for i in range(count):
+        ahead = started + i * interval - time.perf_counter()
+        if ahead > 0:
+            time.sleep(max(ahead, PACING_SLEEP_S))
+        yield i
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No garbage collection while results are timed: a full collection walks every arrival kept
@@ -138,13 +150,9 @@ def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str,
             failed.append(str(error))
 
     sent: dict[str, float] = {}
-    interval = 1.0 / rate
-    started = time.perf_counter()
-    for i, uri in enumerate(uris):
-        ahead = started + i * interval - time.perf_counter()
-        if ahead > 0:  # never a busy wait; see PACING_SLEEP_S
-            time.sleep(max(ahead, PACING_SLEEP_S))
-            producer.poll(0)
+    for i in paced(len(uris), rate):
+        uri = uris[i]
+        producer.poll(0)  # delivery reports
         payload = encode_request(uri, {name: samples[i % len(samples)]})
         sent[uri] = time.perf_counter()
         while True:

@@ -54,7 +54,7 @@ import yaml
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
-from bench.kafka_load import ResultReader, paced_sender
+from bench.kafka_load import ResultReader, paced, paced_sender
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
@@ -109,14 +109,16 @@ def progress(model: str, text: str) -> None:
     print(f"[bench] {model}: {text}", file=sys.stderr, flush=True)
 
 
-def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray,
-                models: tuple[str, ...] = ()) -> None:
-    """Sends one request per uri (input `name`, cycling through `samples`) as fast as InputQueue.enqueue
-    goes, with one flush at the end; with `models`, request i names models[i % len(models)] (none:
-    the default model)."""
+def enqueue_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray, rate: float = 0.0,
+                sent: dict[str, float] | None = None, models: tuple[str, ...] = ()) -> None:
+    """Sends one request per uri (input `name`, cycling through `samples`) with InputQueue.enqueue,
+    at `rate` per second or as fast as it goes (0), and one flush at the end; `sent` gets each
+    uri's send time; with `models`, request i names models[i % len(models)] (none: the default)."""
     with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
-        for i, uri in enumerate(uris):
-            inputs.enqueue(uri, model=models[i % len(models)] if models else None, **{name: samples[i % len(samples)]})
+        for i in paced(len(uris), rate):
+            if sent is not None:
+                sent[uris[i]] = time.perf_counter()
+            inputs.enqueue(uris[i], model=models[i % len(models)] if models else None, **{name: samples[i % len(samples)]})
         inputs.flush()
 
 
@@ -185,7 +187,7 @@ def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
     the repository's models the requests name in turn (enqueue_all)."""
     progress(label or model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
     started = time.perf_counter()
-    enqueue_all(config, uris, model.input_name, samples, models)
+    enqueue_all(config, uris, model.input_name, samples, models=models)
     rate = len(uris) / (time.perf_counter() - started)
     return {"method": "InputQueue.enqueue, one thread, one flush", "rate": rate,
             "mb_per_s": rate * model.instance_bytes / 1e6}
