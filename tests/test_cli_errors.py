@@ -38,7 +38,6 @@ CLI = ("-m", "ops.cli")
 HOLDER = """
 import sys, time
 from conf import load_config
-from connectors.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
 from ops.instances import Instance, claim
 broker_port = int(sys.argv[3]) if len(sys.argv) > 3 else None
 claim(Instance.of(sys.argv[2], load_config(sys.argv[1]), http=True, broker_port=broker_port))

@@ -19,10 +19,9 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from client import InputQueue, OutputQueue
 from conf import KAFKA_RECORD_BYTES
-from connectors.admin import records_written
+from connectors.admin import records_written, topic_records
 from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
 from connectors.inputs import Result, result_of
-from connectors.admin import topic_records
 from tests.stub_http import JsonHandler
 
 X = np.arange(4, dtype=np.float32)

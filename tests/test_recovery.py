@@ -23,8 +23,7 @@ from ops.children import EmbeddedJob
 from ops.processes import write_run_config
 from conf import ServingConfig, load_config
 from ops.sample_model import FEATURES
-from connectors.admin import records_written
-from connectors.admin import topic_records
+from connectors.admin import records_written, topic_records
 from tests.conftest import collect
 from tests.failing_job import FAILURE
 
