@@ -1,5 +1,6 @@
 """Kafka load for the benchmark: a paced sender of requests and a reader that stamps when each
-result arrives, on librdkafka (confluent-kafka) rather than the product's kafka-python.
+result arrives, on librdkafka (confluent-kafka, as in the HTTP bridge) rather than kafka-python
+(InputQueue's).
 
 They share the two cores of the development machine with the job they time, so they must cost
 little. At 31,000 req/s (half the mlp's capacity there), librdkafka's sender and reader used 0.32

@@ -19,27 +19,28 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from kafka import KafkaProducer
-from kafka.errors import KafkaError
 
 from bridge.errors import (
     InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unavailable,
 )
 from bridge.catalog import Catalog, Target
+from bridge.kafka_clients import RequestProducer, librdkafka_settings
 from bridge.metrics import BridgeMetrics
 from connectors.inputs import encode_request
 from connectors.flink_rest import FlinkRest
 from bridge.result_waiter import ResultWaiter
-from conf import JOB_NAME, KAFKA_RECORD_BYTES, ConfigError, ServingConfig
-from connectors.admin import READ_COMMITTED, broker_reachable, client_properties, ensure_topics
+from conf import JOB_NAME, ConfigError, ServingConfig
+from connectors.admin import READ_COMMITTED, broker_reachable, ensure_topics
 from connectors.codec import Message
 
 log = logging.getLogger("cluster_serving.bridge")
 READINESS_TTL_S = 1.0
+# Waits for the broker's metadata at start, and for queued records at stop.
+CONNECT_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
 # Error results the job writes for its own failures; all others are about the request.
 SERVER_SIDE_ERRORS = ("inference failed", "postprocess failed", "result not encodable", "unreadable result")
 # Error results for a model or version the job does not serve (it may know more than this bridge).
@@ -90,46 +91,32 @@ class Bridge:
         self.limiter = TokenBucket(http.rate_limit_per_s, http.rate_limit_burst) if http.rate_limit_per_s else None
         self.uri_prefix = f"http-{uuid.uuid4().hex[:12]}-"
         self._sequence = itertools.count()
-        self._partitions: Iterator[int] = itertools.repeat(0)  # the input topic's, once connected
         self._ready: tuple[float, str | None] | None = None  # (checked at, reason)
         self._checking: asyncio.Task[None] | None = None
-        self.producer: KafkaProducer | None = None
+        self.producer: RequestProducer | None = None
         self.waiter: ResultWaiter | None = None
 
     async def start(self) -> None:
         """Creates missing topics, connects the producer and puts the result reader at the end."""
-        kafka = self.config.kafka
-        await asyncio.to_thread(ensure_topics, kafka)
-        try:
-            await asyncio.to_thread(self._connect, asyncio.get_running_loop())
-        except KafkaError as exc:
-            raise ConfigError(f"kafka.bootstrap_servers: {kafka.bootstrap_servers}: {exc}") from None
+        # Made first: it refuses a kafka.properties name librdkafka does not know before any topic is made.
+        self.producer = RequestProducer(self.config.kafka, self.config.http.request_timeout_s)
+        await asyncio.to_thread(ensure_topics, self.config.kafka)
+        await asyncio.to_thread(self._connect, self.producer, asyncio.get_running_loop())
 
-    def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _connect(self, producer: RequestProducer, loop: asyncio.AbstractEventLoop) -> None:
         kafka = self.config.kafka
-        properties = client_properties(kafka)
-        self.producer = KafkaProducer(
-            bootstrap_servers=kafka.bootstrap_servers, linger_ms=1, acks="all",
-            # The producer's 1 MiB default would refuse large instances before the job could.
-            max_request_size=KAFKA_RECORD_BYTES,
-            # kafka-python's own metrics, read by nobody here, cost a third of each produce request.
-            metrics_enabled=False,
-            **properties,
-        )
-        # Round robin, as the key hash would spread these unique uris anyway: kafka-python's key
-        # hash (murmur2) is pure Python, a fifth of each send's time.
-        self._partitions = itertools.cycle(sorted(self.producer.partitions_for(kafka.input_topic)))
+        producer.connect(kafka.input_topic, CONNECT_TIMEOUT_S)
         self.waiter = ResultWaiter(
-            kafka.bootstrap_servers, kafka.result_topic, self.uri_prefix, self.metrics.count_late_result,
-            isolation_level=READ_COMMITTED, metrics_enabled=False, **properties,
+            librdkafka_settings(kafka, **{"isolation.level": READ_COMMITTED}),
+            kafka.result_topic, self.uri_prefix, self.metrics.count_late_result,
         )
-        self.waiter.start(loop)
+        self.waiter.start(loop, CONNECT_TIMEOUT_S)
 
     async def stop(self) -> None:
         if self.waiter:
             await asyncio.to_thread(self.waiter.stop)
         if self.producer:
-            await asyncio.to_thread(self.producer.close, 5)
+            await asyncio.to_thread(self.producer.close, STOP_TIMEOUT_S)
 
     async def not_ready_reason(self) -> str | None:
         """None when requests can be served: broker connected, result reader alive, job running.
@@ -231,8 +218,6 @@ class Bridge:
                         messages = [await future for future in futures]
                 except TimeoutError:
                     raise Timeout(f"no result within {timeout:g} s") from None
-                except KafkaError as exc:
-                    raise Unavailable(f"could not enqueue the request: {exc}") from None
         finally:
             for uri, _ in records:
                 self.waiter.forget(uri)
@@ -251,14 +236,14 @@ class Bridge:
     def _send(self, uri: str, payload: bytes, headers: list[tuple[str, bytes]]) -> None:
         assert self.producer is not None and self.waiter is not None
         loop, waiter = asyncio.get_running_loop(), self.waiter
+
+        def failed(reason: str) -> None:
+            loop.call_soon_threadsafe(waiter.fail, uri, Unavailable(f"could not enqueue the request: {reason}"))
+
         try:
-            sent = self.producer.send(
-                self.config.kafka.input_topic, key=uri.encode(), value=payload, headers=headers,
-                partition=next(self._partitions),
-            )
-        except Exception as exc:
+            self.producer.send(self.config.kafka.input_topic, uri.encode(), payload, headers, failed)
+        except Exception as exc:  # BufferError: librdkafka's queue is full
             raise Unavailable(f"could not enqueue the request: {exc}") from None
-        sent.add_errback(lambda exc: loop.call_soon_threadsafe(waiter.fail, uri, exc))
 
     def _result(self, index: int, message: Message) -> Message:
         if message.inference_us is not None:

@@ -14,25 +14,31 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from kafka import KafkaConsumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Message as Record
 
-from conf import KAFKA_RECORD_BYTES
+from bridge.kafka_clients import client_or_config_error
+from conf import KAFKA_RECORD_BYTES, ConfigError
 from connectors.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 REMEMBER_TIMED_OUT = 100_000
+# Results handed over per call once the first has come (the rest are already fetched), and the
+# longest a call waits for the first: how soon stop() is noticed.
+CONSUME_BATCH = 1000
+CONSUME_WAIT_S = 0.2
 
 
 class ResultWaiter:
-    def __init__(
-        self, bootstrap_servers: str, topic: str, uri_prefix: str, on_late: Callable[[], None], **kafka: Any
-    ):
+    def __init__(self, settings: dict[str, Any], topic: str, uri_prefix: str, on_late: Callable[[], None]):
+        """`settings`: the librdkafka consumer's (bridge.kafka_clients.librdkafka_settings). It
+        joins no group and commits nothing; librdkafka asks for a group id all the same."""
         self.topic = topic
         self.on_late = on_late
         self.uri_prefix = uri_prefix
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers, enable_auto_commit=False, **kafka
-        )
+        self._consumer: Consumer = client_or_config_error(lambda: Consumer(
+            {**settings, "group.id": f"{uri_prefix}results", "enable.auto.commit": False}
+        ))
         self._pending: dict[str, asyncio.Future[Message]] = {}
         self._timed_out: OrderedDict[str, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -40,16 +46,21 @@ class ResultWaiter:
         self._thread = threading.Thread(target=self._consume, name="result-waiter", daemon=True)
         self.duplicates = 0
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Positions the consumer at the end of every partition, then starts reading."""
-        partitions = self._consumer.partitions_for_topic(self.topic)
-        if not partitions:
-            raise RuntimeError(f"result topic {self.topic!r} has no partitions (does it exist?)")
-        assigned = [TopicPartition(self.topic, pid) for pid in sorted(partitions)]
-        self._consumer.assign(assigned)
-        self._consumer.seek_to_end(*assigned)
-        for partition in assigned:
-            self._consumer.position(partition)  # resolves the end offset now, not at first poll
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        """Positions the consumer at the end of every partition, then starts reading. The end
+        offsets are asked now: positioned at "the end" when its first fetch starts, it would skip
+        results appended meanwhile, to requests sent right after the start."""
+        try:
+            partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
+            if not partitions:
+                raise RuntimeError(f"result topic {self.topic!r} has no partitions (does it exist?)")
+            self._consumer.assign([
+                TopicPartition(self.topic, pid, self._consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, pid), timeout=timeout_s)[1])
+                for pid in sorted(partitions)
+            ])
+        except KafkaException as exc:
+            raise ConfigError(f"kafka.bootstrap_servers: {exc.args[0].str()}") from None
         self._loop = loop
         self._thread.start()
 
@@ -91,16 +102,23 @@ class ResultWaiter:
     def _consume(self) -> None:
         while not self._stop.is_set():
             try:
-                batches = self._consumer.poll(timeout_ms=200)
-            except Exception:  # the broker went away: keep trying, readiness reports it
+                records = self._consumer.consume(CONSUME_BATCH, CONSUME_WAIT_S)
+            except Exception:  # librdkafka retries a broker gone away itself: this is not that
                 log.exception("reading %s failed; retrying", self.topic)
                 self._stop.wait(1.0)
                 continue
-            results = [self._decode(record.key, record.value) for records in batches.values() for record in records]
+            results = [self._decode(record.key(), record.value()) for record in records if not self._failed(record)]
             ours = [result for result in results if result is not None]
             if ours:  # one wake-up of the event loop per poll, not one per result
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._complete, ours)
+
+    def _failed(self, record: Record) -> bool:
+        """A record that is an error event rather than a result (librdkafka retries by itself)."""
+        error = record.error()
+        if error is not None:
+            log.warning("reading %s: %s", self.topic, error.str())
+        return error is not None
 
     def _decode(self, key: bytes | None, value: bytes | None) -> tuple[str, Message] | None:
         """(uri, result) for a result of this bridge's; None for others' results."""

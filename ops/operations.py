@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+from bridge.kafka_clients import check_properties
 from bridge.model_info import repository_signatures
 from conf import JOB_NAME, ConfigError, ServingConfig
 from conf.repository import check_stages
@@ -47,7 +48,7 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     """What `start` and `demo` check in the CLI's own process before anything starts, so that a
     mistake is one line and leaves nothing running: the files, every served model version against
     its config, Java, the ports the job and the bridge listen on, and the broker (a running one, or
-    what starting the local one needs)."""
+    what starting the local one needs), and the bridge's Kafka properties."""
     config.check_files()
     repository, _ = repository_signatures(config)  # every served version readable and as its servable.yaml says
     check_stages(repository)
@@ -55,6 +56,7 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     check_port("flink.rest_port", "127.0.0.1", config.flink.rest_port)
     if http:
         check_port("http.port", config.http.host, config.http.port)
+        check_properties(config.kafka)  # the bridge's Kafka client knows names the others do not
     if not local_broker:
         if problem := broker_problem(config.kafka):
             raise unreachable(config.kafka.bootstrap_servers, problem)

@@ -53,7 +53,7 @@ if [ ! -f "$stamp" ]; then
   quietly "$VENV/bin/pip" install -q --upgrade pip
   # A plain path entry to the checkout (pyproject.toml's package-dir), so that packages added
   # later import without a reinstall.
-  quietly "$VENV/bin/pip" install -q -e ".[test,bench]"
+  quietly "$VENV/bin/pip" install -q -e ".[test]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi
