@@ -102,7 +102,9 @@ class ResultWaiter:
     def _consume(self) -> None:
         while not self._stop.is_set():
             try:
-                records = self._consumer.consume(CONSUME_BATCH, CONSUME_WAIT_S)
+                # consume(n, wait) would wait for all n or the whole wait: poll for the first only.
+                first = self._consumer.poll(CONSUME_WAIT_S)
+                records = [first, *self._consumer.consume(CONSUME_BATCH, 0)] if first is not None else []
             except Exception:  # librdkafka retries a broker gone away itself: this is not that
                 log.exception("reading %s failed; retrying", self.topic)
                 self._stop.wait(1.0)
