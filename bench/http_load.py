@@ -50,17 +50,21 @@ def _binary(model: BenchModel, sample: np.ndarray) -> HttpRequest:
     return HttpRequest("/v2/models/model/infer", header + sample.astype("<f4").tobytes(), headers)
 
 
-def http_load(url: str, bodies: list[HttpRequest], clients: int, requests: int) -> dict[str, Any]:
-    """`clients` threads share `requests` one-instance calls; every answer must be a 200."""
+def http_load(url: str, bodies: list[HttpRequest], clients: int, seconds: float) -> dict[str, Any]:
+    """`clients` threads each sending one-instance calls, one at a time, for `seconds`; every
+    answer must be a 200."""
     host, port = url.removeprefix("http://").split(":")
     latencies: list[float] = []
     failures: list[str] = []
+    deadline = time.perf_counter() + seconds
 
     def client(index: int) -> None:
         connection = http.client.HTTPConnection(host, int(port), timeout=60)
-        for i in range(index, requests, clients):
+        i = index
+        while time.perf_counter() < deadline:
             started = time.perf_counter()
             call = bodies[i % len(bodies)]
+            i += clients
             connection.request("POST", call.path, call.body, call.headers)
             response = connection.getresponse()
             answer = response.read()
@@ -76,5 +80,5 @@ def http_load(url: str, bodies: list[HttpRequest], clients: int, requests: int) 
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - started
-    return {"requests": requests, "rate": len(latencies) / elapsed, **latency_ms(latencies), "failures": len(failures)}
+    return {"requests": len(latencies), "rate": len(latencies) / elapsed, **latency_ms(latencies), "failures": len(failures)}
 

@@ -30,7 +30,6 @@ class BenchModel:
     instance_shape: tuple[int, ...]
     build: Callable[[Path], Path]
     requests: int
-    http_requests_per_client: int
     # HTTP requests as v2 /infer with the binary tensor data extension instead of /predict JSON:
     # what users of image models send (Triton's clients do), a 48 KiB tensor being ~250 KB as JSON text.
     http_binary: bool = False
@@ -91,11 +90,11 @@ def bench_models(hidden: int) -> dict[str, BenchModel]:
         "mlp": BenchModel(
             "mlp", f"sample classifier {FEATURES}->{hidden}->{CLASSES}", "features", (FEATURES,),
             partial(build_sample_model, hidden=hidden),
-            requests=200_000, http_requests_per_client=60,
+            requests=200_000,
         ),
         "cnn": BenchModel(
             "cnn", f"CNN {'x'.join(map(str, CNN_SHAPE))} -> conv32 -> conv128/2 -> conv128/2 -> {CLASSES}", CNN_INPUT,
             CNN_SHAPE, build_cnn,
-            requests=8000, http_requests_per_client=20, http_binary=True,
+            requests=8000, http_binary=True,
         ),
     }
