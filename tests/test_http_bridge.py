@@ -238,6 +238,31 @@ def test_not_ready_without_a_running_job(stack: Stack) -> None:
     assert status == 503 and body["error"].startswith("not ready")
 
 
+def test_a_lost_broker_is_a_503_and_a_few_log_lines_until_it_is_back(tmp_path: Path, sample_model: Path) -> None:
+    """librdkafka retries a lost broker by itself and calls every failed attempt an error: the
+    bridge's log must not fill with them (its two clients wrote 24 lines a second)."""
+    port = free_port()
+    own_broker = LocalBroker(tmp_path / "kafka", port=port, log_path=tmp_path / "broker.log").start()
+    config_path = write_run_config(tmp_path, sample_model, own_broker.bootstrap_servers)
+    log_path = tmp_path / "bridge.log"
+    with HttpBridge(config_path, log_path=log_path) as bridge:
+        no_job = http_call(f"{bridge.url}/v2/health/ready")
+        assert no_job[0] == 503 and "Flink REST API not reachable" in no_job[1]["error"], no_job
+        logged = len(log_path.read_text().splitlines())
+        own_broker.stop()
+        time.sleep(12)
+        http_call(f"{bridge.url}/v2/health/ready")  # a request takes the last check's answer and starts a new one
+        time.sleep(1)
+        status, body = http_call(f"{bridge.url}/predict", {"instances": [{"features": [0.5] * FEATURES}]})
+        assert status == 503 and "no Kafka broker reachable" in body["error"], body
+        lines = log_path.read_text().splitlines()[logged:]
+        assert 1 <= len(lines) <= 6 and all("brokers are down" in line for line in lines), lines
+        with LocalBroker(tmp_path / "kafka", port=port, log_path=tmp_path / "broker-again.log"):
+            http_call(f"{bridge.url}/v2/health/ready")
+            time.sleep(1)
+            assert http_call(f"{bridge.url}/v2/health/ready") == no_job
+
+
 def test_timeout_gives_504_and_the_late_result_is_dropped(stack: Stack) -> None:
     url = stack.another_bridge(request_timeout_s=0.001)
     status, body = http_call(f"{url}/predict", {"instances": [{"features": [0.5] * FEATURES}]})
