@@ -47,18 +47,20 @@ def librdkafka_settings(kafka: KafkaConfig, **settings: Any) -> dict[str, Any]:
             "logger": log, "log_level": LOG_LEVEL, "error_cb": client_error, **settings}
 
 
-def client_or_config_error(make: Callable[[], Any]) -> Any:
-    """librdkafka refuses a property it does not know when the client is made: one config line."""
+def client_or_config_error(make: Callable[[], Any], key: str = "kafka.properties") -> Any:
+    """What `make` returns, or librdkafka's refusal as one config line about `key`: a property
+    it does not know when a client is made, a broker it cannot use when one is asked."""
     try:
         return make()
     except KafkaException as exc:
-        raise ConfigError(f"kafka.properties: {exc.args[0].str()}") from None
+        raise ConfigError(f"{key}: {exc.args[0].str()}") from None
 
 
 def check_properties(kafka: KafkaConfig) -> None:
-    """ConfigError for a kafka.properties name or value librdkafka refuses, found without waiting
-    for the broker: what `start` checks before anything runs."""
-    client_or_config_error(lambda: Producer(librdkafka_settings(kafka))).flush(0)
+    """ConfigError for a kafka.properties name or value librdkafka refuses: what `start` checks
+    before anything runs. The client is made without a broker to reach, so it tries none (and
+    reports no failure to reach one before the start's own check of the broker)."""
+    client_or_config_error(lambda: Producer({**kafka.properties, "logger": log, "log_level": LOG_LEVEL})).flush(0)
 
 
 class RequestProducer:
@@ -82,10 +84,7 @@ class RequestProducer:
 
     def connect(self, topic: str, timeout_s: float) -> None:
         """Waits for the topic's metadata, so that a broker that cannot be used fails the start."""
-        try:
-            self._producer.list_topics(topic, timeout=timeout_s)
-        except KafkaException as exc:
-            raise ConfigError(f"kafka.bootstrap_servers: {exc.args[0].str()}") from None
+        client_or_config_error(lambda: self._producer.list_topics(topic, timeout=timeout_s), "kafka.bootstrap_servers")
         self._thread.start()
 
     def send(self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]],

@@ -14,11 +14,11 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Message as Record
 
 from bridge.kafka_clients import client_or_config_error
-from conf import KAFKA_RECORD_BYTES, ConfigError
+from conf import KAFKA_RECORD_BYTES
 from connectors.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,19 @@ class ResultWaiter:
         """Positions the consumer at the end of every partition, then starts reading. The end
         offsets are asked now: positioned at "the end" when its first fetch starts, it would skip
         results appended meanwhile, to requests sent right after the start."""
-        try:
-            partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
-            if not partitions:
-                raise RuntimeError(f"result topic {self.topic!r} has no partitions (does it exist?)")
-            self._consumer.assign([
-                TopicPartition(self.topic, pid, self._consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, pid), timeout=timeout_s)[1])
-                for pid in sorted(partitions)
-            ])
-        except KafkaException as exc:
-            raise ConfigError(f"kafka.bootstrap_servers: {exc.args[0].str()}") from None
+        client_or_config_error(lambda: self._assign_at_end(timeout_s), "kafka.bootstrap_servers")
         self._loop = loop
         self._thread.start()
+
+    def _assign_at_end(self, timeout_s: float) -> None:
+        partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
+        if not partitions:
+            raise RuntimeError(f"result topic {self.topic!r} has no partitions (does it exist?)")
+        self._consumer.assign([
+            TopicPartition(self.topic, pid, self._consumer.get_watermark_offsets(
+                TopicPartition(self.topic, pid), timeout=timeout_s)[1])
+            for pid in sorted(partitions)
+        ])
 
     @property
     def alive(self) -> bool:
