@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
+from bridge.kafka_clients import fetched
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import decode_message
 from connectors.inputs import encode_request
@@ -30,8 +31,6 @@ from connectors.inputs import encode_request
 PACING_SLEEP_S = 0.001
 # What InputQueue's producer uses (client/queues.py): acks from every replica, 1 ms to fill a batch.
 SENDER_SETTINGS = {"acks": "all", "linger.ms": 1, "message.max.bytes": KAFKA_RECORD_BYTES}
-# Results handed over per call once the first has come (the rest are already fetched).
-CONSUME_BATCH = 1000
 METADATA_TIMEOUT_S = 30.0
 
 
@@ -112,10 +111,7 @@ class ResultReader:
         deadline = time.monotonic() + timeout
         with gc_paused():
             while missing and time.monotonic() < deadline:
-                first = self.consumer.poll(0.1)
-                if first is None:
-                    continue
-                messages = [first, *self.consumer.consume(CONSUME_BATCH, 0)]
+                messages = fetched(self.consumer, 0.1)
                 now = time.perf_counter()
                 for message in messages:
                     if message.error():

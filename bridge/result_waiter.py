@@ -17,15 +17,13 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Message as Record
 
-from bridge.kafka_clients import client_or_config_error
+from bridge.kafka_clients import client_or_config_error, fetched
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 REMEMBER_TIMED_OUT = 100_000
-# Results handed over per call once the first has come (the rest are already fetched), and the
-# longest a call waits for the first: how soon stop() is noticed.
-CONSUME_BATCH = 1000
+# The longest a read waits for the first result: how soon stop() is noticed.
 CONSUME_WAIT_S = 0.2
 
 
@@ -102,9 +100,7 @@ class ResultWaiter:
     def _consume(self) -> None:
         while not self._stop.is_set():
             try:
-                # consume(n, wait) would wait for all n or the whole wait: poll for the first only.
-                first = self._consumer.poll(CONSUME_WAIT_S)
-                records = [first, *self._consumer.consume(CONSUME_BATCH, 0)] if first is not None else []
+                records = fetched(self._consumer, CONSUME_WAIT_S)
             except Exception:  # librdkafka retries a broker gone away itself: this is not that
                 log.exception("reading %s failed; retrying", self.topic)
                 self._stop.wait(1.0)
