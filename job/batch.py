@@ -1,5 +1,5 @@
 """The micro-batcher: groups requests per route (model, version) and flushes each at its model's
-`batch_size` or `max_delay_ms`.
+`batch_size` or `max_delay_ms` (0: once the requests that have arrived are all read).
 
 It runs in the JVM (job/java/MicroBatchOperator.java), chained to the Kafka source: a
 batcher in Python cost a Python call and a state access per request, most of the job's time, and a

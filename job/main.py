@@ -124,7 +124,8 @@ def build_pipeline(
         request_source(kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
     ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
     batches = micro_batches(requests, table.text()).uid("micro-batch-jvm").set_description(
-        "in the JVM: a batch per model and version, at its batch_size requests or max_delay_ms after its first"
+        "in the JVM: a batch per model and version, at its batch_size requests, max_delay_ms after its first,"
+        " or (max_delay_ms 0) once the input has nothing more ready"
     )
     frames = (
         batches.map(DecodeBatch(config.limits)).name("decode").uid("decode")

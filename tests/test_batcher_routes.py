@@ -195,16 +195,16 @@ def test_batches_per_route_and_control_records(env) -> None:
         request("a2", "a"),  # a is full at 2
         request("a3", "a", "2"),  # another route of a
         request(None, "zzz"),  # unknown model: batches as the default, on a route of its own
-        request("c1", "c"),  # max_delay_ms 0: at once
+        request("c1", "c"),  # max_delay_ms 0: once the input is idle, never here (all of it is ready)
         request("d1", "d", payload=b"y" * 1000),  # max_batch_bytes: at once
         control(b"\xffgarbage"),  # malformed: ignored
         control(table(50, "a", ("a", 1, 0, ""))),  # older: ignored
         request("b2", "b"),
-        control(second),  # flushes b, a/2, zzz in that order, then announces the table
+        control(second),  # flushes b, a/2, zzz, c in that order, then announces the table
         control(second),  # the same generation again (another partition's marker): ignored
         request("a4", "a"),  # batch size 1 now
         request("b3", "b"),
-        request("n1", None),  # no model header: the default's batching (a: at once), route ""
+        request("n1", None),  # no model header: the default's batching (a: batches of one), route ""
         request("b4", "b", "1"),
         # end of input: what waits is flushed, b before b/1
     ]
@@ -221,11 +221,11 @@ def test_batches_per_route_and_control_records(env) -> None:
     assert seen == [
         ("C", first),
         ("a", "", ["a1", "a2"]),
-        ("c", "", ["c1"]),
         ("d", "", ["d1"]),
         ("b", "", ["b1", "b2"]),
         ("a", "2", ["a3"]),
         ("zzz", "", [None]),
+        ("c", "", ["c1"]),
         ("C", second),
         ("a", "", ["a4"]),
         ("", "", ["n1"]),

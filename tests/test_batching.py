@@ -1,4 +1,5 @@
-"""The micro-batcher in a running job: the timer flushes a trickle, a burst fills batches."""
+"""The micro-batcher in a running job: the timer flushes a trickle, a burst fills batches, and with
+no delay a lone request goes at once while a burst still fills batches."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import numpy as np
 from kafka import KafkaConsumer
 
 from client import InputQueue, OutputQueue
-from ops.sample_model import FEATURES
+from conf.schema import KafkaConfig
 from connectors.codec import decode_message
+from ops.sample_model import FEATURES
 
 MAX_DELAY_MS = 500
 BATCH_SIZE = 32
@@ -39,8 +41,37 @@ def test_trickle_is_flushed_by_the_timer(write_config, start_job) -> None:
 def test_burst_fills_batches(write_config, start_job) -> None:
     path, config = write_config(batching={"batch_size": BATCH_SIZE, "max_delay_ms": MAX_DELAY_MS})
     start_job(path, config)
-    kafka = config.kafka
     count = BATCH_SIZE * 20
+    sizes = burst_batch_sizes(config.kafka, count)
+    full = sum(1 for size in sizes.values() if size == BATCH_SIZE)
+    print(f"burst of {count}: {full} results ran in full batches of {BATCH_SIZE}")
+    assert full >= 0.9 * count
+
+
+def test_no_delay_sends_a_lone_request_at_once_and_batches_a_burst(write_config, start_job) -> None:
+    """max_delay_ms 0 waits for no request not yet read (Triton's batcher with no queue delay):
+    a lone request goes without waiting for company, and a burst, read together, in full batches,
+    not one request at a time."""
+    path, config = write_config(batching={"batch_size": BATCH_SIZE, "max_delay_ms": 0})
+    start_job(path, config)
+    kafka = config.kafka
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs, OutputQueue(
+        kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client"
+    ) as outputs:
+        for i in range(3):
+            inputs.enqueue(f"lone-{i}", features=np.ones(FEATURES, np.float32))
+            inputs.flush()
+            result = outputs.query(f"lone-{i}", timeout=30)
+            assert result is not None and "error" not in result
+    count = BATCH_SIZE * 20
+    sizes = burst_batch_sizes(kafka, count)
+    full = sum(1 for size in sizes.values() if size == BATCH_SIZE)
+    print(f"burst of {count} at max_delay_ms 0: {full} results ran in full batches of {BATCH_SIZE}")
+    assert full >= 0.5 * count
+
+
+def burst_batch_sizes(kafka: KafkaConfig, count: int) -> dict[str, int]:
+    """Enqueues `count` requests in one flush, then reads their results: uri -> its batch's size."""
     with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs:
         for i in range(count):
             inputs.enqueue(f"burst-{i}", features=np.ones(FEATURES, np.float32))
@@ -53,11 +84,10 @@ def test_burst_fills_batches(write_config, start_job) -> None:
     deadline = time.monotonic() + 60
     for record in consumer:
         message = decode_message(record.value, 1 << 24)
-        sizes[message.uri] = message.batch_size
+        if message.uri.startswith("burst-"):
+            sizes[message.uri] = message.batch_size
         if len(sizes) == count or time.monotonic() > deadline:
             break
     consumer.close()
     assert len(sizes) == count
-    full = sum(1 for size in sizes.values() if size == BATCH_SIZE)
-    print(f"burst of {count}: {full} results ran in full batches of {BATCH_SIZE}")
-    assert full >= 0.9 * count
+    return sizes

@@ -50,10 +50,12 @@ def test_scan_reads_versions_settings_defaults_and_pipelines(tmp_path: Path) -> 
     )
     (root / "a" / "notes").mkdir()  # not a version: ignored
     (root / ".hidden").mkdir()
-    found = checked_scan(config_for(root, default="b"))
+    config = load_config(overrides={"models.repository": str(root), "models.default": "b", "batching.max_delay_ms": 7})
+    found = checked_scan(config)
     assert sorted(found.servables) == ["a", "b", "p"] and found.default == "b"
     assert found.servables["a"].versions == (1, 2)
-    assert (found.servables["a"].batching.batch_size, found.servables["a"].batching.max_delay_ms) == (8, 10)
+    # batch_size from servable.yaml, max_delay_ms from the config's batching
+    assert (found.servables["a"].batching.batch_size, found.servables["a"].batching.max_delay_ms) == (8, 7)
     assert found.servables["p"].is_pipeline and found.servables["p"].versions == (1,)
 
 

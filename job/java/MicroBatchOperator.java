@@ -8,6 +8,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
+import org.apache.flink.api.common.operators.MailboxExecutor;
 import org.apache.flink.api.common.operators.ProcessingTimeService.ProcessingTimeCallback;
 import org.apache.flink.api.common.state.ListState;
 import org.apache.flink.api.common.state.ListStateDescriptor;
@@ -17,6 +18,7 @@ import org.apache.flink.runtime.state.StateInitializationContext;
 import org.apache.flink.runtime.state.StateSnapshotContext;
 import org.apache.flink.streaming.api.operators.AbstractStreamOperator;
 import org.apache.flink.streaming.api.operators.OneInputStreamOperator;
+import org.apache.flink.streaming.runtime.tasks.mailbox.TaskMailbox;
 import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
 import org.apache.flink.types.Row;
 import org.slf4j.Logger;
@@ -26,7 +28,11 @@ import org.slf4j.LoggerFactory;
  * Groups Row(uri, payload, model, version, control) requests (KeyValueDeserializationSchema) by
  * their route, the (model, version) their headers name ("" when absent), and emits one frame
  * (BatchFrames) per micro-batch of one route: at the route's batch size, maxBatchBytes of payload,
- * or the route's max delay after its first request waiting (0: at once). Batch size and max delay
+ * or the route's max delay after its first request waiting. A max delay of 0 waits for no request
+ * not yet read: the batch goes once the input has nothing more ready (Triton's dynamic batcher
+ * with no queue delay), so a burst already read is one batch, and a lone request goes at once.
+ * Python runs on this operator's thread, so the model is idle whenever a batch could go: requests
+ * that arrive while it runs are read after, and batch together. Batch size and max delay
  * come from the routing table (RoutingTable) entry of the model, the default model's for "" or a
  * model the table does not know (Python answers those with an error result).
  *
@@ -73,6 +79,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private transient ListState<String> checkpointedTable;
     private transient Map<Route, Batch> pending;
     private transient List<Row> restored;
+    private transient MailboxExecutor mailbox;
+    private transient long requestsRead;
+    private transient boolean idleCheckScheduled;
 
     /** Fails (IllegalArgumentException) on a malformed table: the job's own table must be one. */
     public MicroBatchOperator(String tableText, long maxBatchBytes) {
@@ -117,6 +126,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     @Override
     public void open() throws Exception {
         super.open();
+        mailbox = getContainingTask().getMailboxExecutorFactory().createExecutor(TaskMailbox.MIN_PRIORITY);
         output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
         // Restored requests batch like new ones: flushed within their route's max delay, or at once.
         for (Row request : restored) {
@@ -132,6 +142,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         if (request.getArity() > CONTROL && Boolean.TRUE.equals(request.getField(CONTROL))) {
             control((byte[]) request.getField(PAYLOAD));
         } else {
+            requestsRead++;
             add(new Route(text(request, MODEL), text(request, VERSION)), request);
         }
     }
@@ -180,12 +191,49 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         batch.requests.add(request);
         batch.bytes += BatchFrames.payload(request).length;
         RoutingTable.Entry entry = table.entryFor(route.model);
-        if (batch.requests.size() >= entry.batchSize || batch.bytes >= maxBatchBytes || entry.maxDelayMs == 0) {
+        if (batch.requests.size() >= entry.batchSize || batch.bytes >= maxBatchBytes) {
             emit(route, batch);
             pending.remove(route);
+        } else if (entry.maxDelayMs == 0) {
+            scheduleIdleCheck();
         } else if (batch.requests.size() == 1) {
             batch.deadline = getProcessingTimeService().getCurrentProcessingTime() + entry.maxDelayMs;
             getProcessingTimeService().registerTimer(batch.deadline, this);
+        }
+    }
+
+    /**
+     * Finds out, through the task's mailbox, when the input has nothing more ready. A mail posted
+     * while a record is processed runs before the next record is read, so it posts the check,
+     * which runs after the next read, or at once when there was nothing to read: if no request was
+     * read in between, the batches of routes with no delay go; if one was, it looks again after
+     * the next read, for as long as such a batch waits.
+     */
+    private void scheduleIdleCheck() {
+        if (!idleCheckScheduled) {
+            idleCheckScheduled = true;
+            mailbox.execute(this::checkAfterNextRead, "micro-batch: wait for the next read");
+        }
+    }
+
+    private void checkAfterNextRead() {
+        long read = requestsRead;
+        mailbox.execute(() -> flushIfIdle(read), "micro-batch: flush if the input is idle");
+    }
+
+    private void flushIfIdle(long read) {
+        if (requestsRead != read) {
+            checkAfterNextRead();
+            return;
+        }
+        idleCheckScheduled = false;
+        Iterator<Map.Entry<Route, Batch>> batches = pending.entrySet().iterator();
+        while (batches.hasNext()) {
+            Map.Entry<Route, Batch> batch = batches.next();
+            if (table.entryFor(batch.getKey().model).maxDelayMs == 0) {
+                emit(batch.getKey(), batch.getValue());
+                batches.remove();
+            }
         }
     }
 
