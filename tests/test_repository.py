@@ -91,7 +91,7 @@ def test_starting_needs_a_default_that_exists(tmp_path: Path) -> None:
 def test_the_routing_table_text_round_trips_and_leaves_out_failed_versions(tmp_path: Path) -> None:
     found = scan(config_for(repository(tmp_path, {"a": [1, 2], "b": [3]}, {"a": {"version_policy": "all"}}), default="a"))
     table = RoutingTable.of(found, left_out=frozenset({("a", 2)}), generation=42)
-    assert table.text() == "42\ta\na\t32\t10\t1\nb\t32\t10\t3"
+    assert table.text() == "42\ta\na\t32\t0\t1\nb\t32\t0\t3"
     assert RoutingTable.parse(table.text()) == table
     assert table.same_serving(RoutingTable.of(found, left_out=frozenset({("a", 2)})))
     assert not table.same_serving(RoutingTable.of(found))
