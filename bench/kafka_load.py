@@ -41,6 +41,7 @@ class Arrival:
     error: bool
     model: str | None = None  # the model that served it, as its result says
     appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
+    inference_us: int | None = None  # the job's serving stage for the whole batch, as the result says
 
 
 def paced(count: int, rate: float) -> Iterator[int]:
@@ -127,7 +128,7 @@ class ResultReader:
             self.duplicates += 1
             return
         self.arrivals[result.uri] = Arrival(seconds, result.batch_size, result.error is not None,
-                                            result.model, message.timestamp()[1])
+                                            result.model, message.timestamp()[1], result.inference_us)
 
     def close(self) -> None:
         self.consumer.close()

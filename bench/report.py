@@ -61,6 +61,7 @@ def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.N
     ceiling = raw[str(args.batch_size)]
     return {**figures, "raw_ort": raw, "ratios": {
         "capacity_over_raw_ort": figures["capacity"] / ceiling,
+        "model_stage_over_raw_ort": figures["model_stage"] / ceiling,
         "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
         f"http_{most}_clients_over_raw_ort": figures["http"][most]["rate"] / ceiling,
     }}
@@ -129,6 +130,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
         row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
+        row("  its serving stage alone (req/s)", lambda m: (
+            f"{m['model_stage']:,.0f} ({m['ratios']['model_stage_over_raw_ort']:#.3g} of raw ORT at batch {b})")),
         row("job latency, paced (send -> result read)", lambda m: (
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),

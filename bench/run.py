@@ -55,7 +55,7 @@ import yaml
 
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
-from bench.kafka_load import ResultReader, paced, paced_sender
+from bench.kafka_load import Arrival, ResultReader, paced, paced_sender
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
 from ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
@@ -287,6 +287,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
+        "model_stage": model_stage_rate([arrivals[uri] for uri in backlog if uri in arrivals]),
         "requests": len(backlog),
         "warmup": len(warmup),
         "enqueue": enqueued,
@@ -300,6 +301,15 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "missing": sum(uri not in arrivals for uri in warmup + backlog + paced_warmup + paced),
         "errors": sum(arrival.error for arrival in arrivals.values()),
     }
+
+
+def model_stage_rate(arrivals: list[Arrival]) -> float:
+    """Requests per second of the job's serving stage alone (ONNX Runtime with its pre- and
+    postprocessing) while it drained the backlog, from the time each result says its batch took:
+    beside raw ORT, it tells how much of the job's gap to raw ORT is the model running slower in
+    the job, and how much the rest of the serving path."""
+    timed = [a.inference_us / a.batch_size for a in arrivals if a.inference_us and a.batch_size]
+    return len(timed) / (sum(timed) / 1e6) if timed else float("nan")
 
 
 def http_phases(model: BenchModel, config_path: Path, folder: Path, samples: np.ndarray,
