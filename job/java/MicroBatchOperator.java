@@ -18,8 +18,8 @@ import org.apache.flink.runtime.state.StateInitializationContext;
 import org.apache.flink.runtime.state.StateSnapshotContext;
 import org.apache.flink.streaming.api.operators.AbstractStreamOperator;
 import org.apache.flink.streaming.api.operators.OneInputStreamOperator;
-import org.apache.flink.streaming.runtime.tasks.mailbox.TaskMailbox;
 import org.apache.flink.streaming.runtime.streamrecord.StreamRecord;
+import org.apache.flink.streaming.runtime.tasks.mailbox.TaskMailbox;
 import org.apache.flink.types.Row;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
@@ -128,7 +128,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         super.open();
         mailbox = getContainingTask().getMailboxExecutorFactory().createExecutor(TaskMailbox.MIN_PRIORITY);
         output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
-        // Restored requests batch like new ones: flushed within their route's max delay, or at once.
+        // Restored requests batch like new ones: flushed when full, at their route's max delay, or,
+        // with none, once the input has nothing more ready.
         for (Row request : restored) {
             add(new Route((String) request.getField(0), (String) request.getField(1)),
                 Row.of(request.getField(2), request.getField(3)));
