@@ -180,7 +180,7 @@ def test_batches_per_route_and_control_records(env) -> None:
 
     from job.batch import REQUEST_ROW, micro_batches
 
-    first = table(100, "a", ("a", 2, 60000, "1"), ("b", 3, 60000, "1"), ("c", 5, 0, "1"), ("d", 9, 60000, "1"))
+    first = table(100, "a", ("a", 2, 60000, "1"), ("b", 3, 60000, "1"), ("c", 1, 60000, "1"), ("d", 9, 60000, "1"))
     second = table(200, "a", ("a", 1, 0, "1,2"), ("b", 3, 60000, "1"))
 
     def request(uri, model, version=None, payload=b"x"):
@@ -195,12 +195,12 @@ def test_batches_per_route_and_control_records(env) -> None:
         request("a2", "a"),  # a is full at 2
         request("a3", "a", "2"),  # another route of a
         request(None, "zzz"),  # unknown model: batches as the default, on a route of its own
-        request("c1", "c"),  # max_delay_ms 0: once the input is idle, never here (all of it is ready)
+        request("c1", "c"),  # batch size 1: at once (max_delay_ms 0 is tested in a running job: test_batching)
         request("d1", "d", payload=b"y" * 1000),  # max_batch_bytes: at once
         control(b"\xffgarbage"),  # malformed: ignored
         control(table(50, "a", ("a", 1, 0, ""))),  # older: ignored
         request("b2", "b"),
-        control(second),  # flushes b, a/2, zzz, c in that order, then announces the table
+        control(second),  # flushes b, a/2, zzz in that order, then announces the table
         control(second),  # the same generation again (another partition's marker): ignored
         request("a4", "a"),  # batch size 1 now
         request("b3", "b"),
@@ -221,11 +221,11 @@ def test_batches_per_route_and_control_records(env) -> None:
     assert seen == [
         ("C", first),
         ("a", "", ["a1", "a2"]),
+        ("c", "", ["c1"]),
         ("d", "", ["d1"]),
         ("b", "", ["b1", "b2"]),
         ("a", "2", ["a3"]),
         ("zzz", "", [None]),
-        ("c", "", ["c1"]),
         ("C", second),
         ("a", "", ["a4"]),
         ("", "", ["n1"]),
