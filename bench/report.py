@@ -133,7 +133,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("  its serving stage alone (req/s)", lambda m: (
             f"{m['model_stage']:,.0f} ({m['ratios']['model_stage_over_raw_ort']:#.3g} of raw ORT at batch {b})")),
         row("job latency, paced (send -> result read)", lambda m: (
-            f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}")),
+            f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}, "
+            f"mean batch {m['latency']['batches']['mean_batch']:.1f}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
         row("HTTP requests", lambda m: m["http_protocol"]),
         *(row(f"HTTP, {plural(clients, 'client')}", lambda m, key=str(clients): (

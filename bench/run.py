@@ -230,7 +230,9 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                 for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
     return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup),
-            **latency_ms(latencies), "job_share": latency_ms(in_job)}
+            **latency_ms(latencies), "job_share": latency_ms(in_job),
+            "batches": batch_stats([reader.arrivals[uri].batch_size or 0 for uri in uris if uri in reader.arrivals],
+                                   config.batching.batch_size)}
 
 
 def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, **sections: Any) -> ServingConfig:
