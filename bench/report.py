@@ -61,7 +61,7 @@ def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.N
     ceiling = raw[str(args.batch_size)]
     return {**figures, "raw_ort": raw, "ratios": {
         "capacity_over_raw_ort": figures["capacity"] / ceiling,
-        "model_stage_over_raw_ort": figures["model_stage"] / ceiling,
+        "serving_stage_over_raw_ort": figures["serving_stage"] / ceiling,
         "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
         f"http_{most}_clients_over_raw_ort": figures["http"][most]["rate"] / ceiling,
     }}
@@ -131,7 +131,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
         row("  its serving stage alone (req/s)", lambda m: (
-            f"{m['model_stage']:,.0f} ({m['ratios']['model_stage_over_raw_ort']:#.3g} of raw ORT at batch {b})")),
+            f"{m['serving_stage']:,.0f} ({m['ratios']['serving_stage_over_raw_ort']:#.3g} of raw ORT at batch {b})")),
         row("job latency, paced (send -> result read)", lambda m: (
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}, "
             f"mean batch {m['latency']['batches']['mean_batch']:.1f}")),

@@ -13,7 +13,8 @@ requests), all measured in this run on this machine:
 3. the job: capacity = the rate at which it drains a backlog put on the input topic before it
    starts, timed by the result topic's end offsets (read every 20 ms, so the client's own decoding
    speed is not in the figure; counted from the first reading past a warm-up share of the backlog,
-   which absorbs start-up, to the last); then latency (send -> result read) of requests paced
+   which absorbs start-up, to the last), and its serving stage alone, from the time each result
+   says its batch took; then latency (send -> result read) of requests paced
    at half that capacity (or --rate) for --latency-seconds, after 10 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
    cores to the job, and the job's share is told apart by the broker's append times;
@@ -289,7 +290,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in backlog if uri in arrivals]
     return {
-        "model_stage": model_stage_rate([arrivals[uri] for uri in backlog if uri in arrivals]),
+        "serving_stage": serving_stage_rate([arrivals[uri] for uri in backlog if uri in arrivals]),
         "requests": len(backlog),
         "warmup": len(warmup),
         "enqueue": enqueued,
@@ -305,7 +306,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     }
 
 
-def model_stage_rate(arrivals: list[Arrival]) -> float:
+def serving_stage_rate(arrivals: list[Arrival]) -> float:
     """Requests per second of the job's serving stage alone (ONNX Runtime with its pre- and
     postprocessing) while it drained the backlog, from the time each result says its batch took:
     beside raw ORT, it tells how much of the job's gap to raw ORT is the model running slower in
