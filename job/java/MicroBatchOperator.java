@@ -8,6 +8,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
+import java.util.function.BiPredicate;
 import org.apache.flink.api.common.operators.MailboxExecutor;
 import org.apache.flink.api.common.operators.ProcessingTimeService.ProcessingTimeCallback;
 import org.apache.flink.api.common.state.ListState;
@@ -152,14 +153,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     public void onProcessingTime(long time) {
         // A timer of a batch flushed early (full, or by a control record) may still fire: the
         // batch of its route now, if any, has a later deadline.
-        Iterator<Map.Entry<Route, Batch>> batches = pending.entrySet().iterator();
-        while (batches.hasNext()) {
-            Map.Entry<Route, Batch> batch = batches.next();
-            if (batch.getValue().deadline <= time) {
-                emit(batch.getKey(), batch.getValue());
-                batches.remove();
-            }
-        }
+        flushWhere((route, batch) -> batch.deadline <= time);
     }
 
     /** The end of a bounded input (or stop --drain): what waits goes out now. */
@@ -228,14 +222,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
             return;
         }
         idleCheckScheduled = false;
-        Iterator<Map.Entry<Route, Batch>> batches = pending.entrySet().iterator();
-        while (batches.hasNext()) {
-            Map.Entry<Route, Batch> batch = batches.next();
-            if (table.entryFor(batch.getKey().model).maxDelayMs == 0) {
-                emit(batch.getKey(), batch.getValue());
-                batches.remove();
-            }
-        }
+        flushWhere((route, batch) -> table.entryFor(route.model).maxDelayMs == 0);
     }
 
     private void control(byte[] value) {
@@ -257,10 +244,19 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     }
 
     private void flushAll() {
-        for (Map.Entry<Route, Batch> batch : pending.entrySet()) {
-            emit(batch.getKey(), batch.getValue());
+        flushWhere((route, batch) -> true);
+    }
+
+    /** Emits the pending batches that are `due`, in the order their routes first waited. */
+    private void flushWhere(BiPredicate<Route, Batch> due) {
+        Iterator<Map.Entry<Route, Batch>> batches = pending.entrySet().iterator();
+        while (batches.hasNext()) {
+            Map.Entry<Route, Batch> batch = batches.next();
+            if (due.test(batch.getKey(), batch.getValue())) {
+                emit(batch.getKey(), batch.getValue());
+                batches.remove();
+            }
         }
-        pending.clear();
     }
 
     private void emit(Route route, Batch batch) {
