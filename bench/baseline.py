@@ -38,7 +38,9 @@ def serve(config: ServingConfig, result_topic: str) -> None:
         # this lets one fetch bring many batches and any record up to the project's limit.
         max_partition_fetch_bytes=KAFKA_RECORD_BYTES,
     )
-    partitions = consumer.partitions_for_topic(kafka.input_topic) or set()
+    partitions = consumer.partitions_for_topic(kafka.input_topic)
+    if not partitions:
+        raise SystemExit(f"error: plain loop: no topic {kafka.input_topic!r} at {kafka.bootstrap_servers}")
     consumer.assign([TopicPartition(kafka.input_topic, partition) for partition in sorted(partitions)])
     producer = KafkaProducer(
         bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=1, max_request_size=KAFKA_RECORD_BYTES,

@@ -23,8 +23,10 @@ def repository(root: Path, layout: dict[str, list[int]], servables: dict[str, di
     return root
 
 
-def config_for(root: Path, **models):
-    return load_config(overrides={"models.repository": str(root), **{f"models.{k}": v for k, v in models.items()}})
+def config_for(root: Path, overrides: dict | None = None, **models):
+    """A config serving `root`, with `models` as models.* keys and other `overrides` (dotted keys)."""
+    return load_config(overrides={"models.repository": str(root), **{f"models.{k}": v for k, v in models.items()},
+                                  **(overrides or {})})
 
 
 @pytest.mark.parametrize(
@@ -50,8 +52,7 @@ def test_scan_reads_versions_settings_defaults_and_pipelines(tmp_path: Path) -> 
     )
     (root / "a" / "notes").mkdir()  # not a version: ignored
     (root / ".hidden").mkdir()
-    config = load_config(overrides={"models.repository": str(root), "models.default": "b", "batching.max_delay_ms": 7})
-    found = checked_scan(config)
+    found = checked_scan(config_for(root, {"batching.max_delay_ms": 7}, default="b"))
     assert sorted(found.servables) == ["a", "b", "p"] and found.default == "b"
     assert found.servables["a"].versions == (1, 2)
     # batch_size from servable.yaml, max_delay_ms from the config's batching
