@@ -130,15 +130,16 @@ def test_a_second_member_joins_a_live_group_in_normal_time(broker: LocalBroker) 
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
     admin.create_topics([NewTopic(topic, 2, 1)])
     admin.close()
-    # The group's first assignment is made from the topic's metadata. Asked before the broker's
-    # metadata lists the new topic, kafka-python's assignor hands out nothing ("No partition
-    # metadata") and the member waited out the deadline with no partitions (one CI run in many).
-    probe, deadline = KafkaConsumer(bootstrap_servers=bootstrap), time.monotonic() + 60
-    while probe.partitions_for_topic(topic) != {0, 1} and time.monotonic() < deadline:
-        time.sleep(0.1)
-    probe.close()
-    first = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group)
-    second = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group)
+    # The group's first assignment is made from the leader's own metadata. Without the new topic
+    # in it, kafka-python's assignor hands out nothing ("No partition metadata") and the member
+    # waited out the deadline with no partitions (two CI runs in many; the second after a separate
+    # client had seen the topic). So each member has the topic's partitions before it subscribes.
+    first, second = (KafkaConsumer(bootstrap_servers=bootstrap, group_id=group) for _ in range(2))
+    deadline = time.monotonic() + 60
+    for member in (first, second):
+        while member.partitions_for_topic(topic) != {0, 1} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        member.subscribe([topic])
     try:
         deadline = time.monotonic() + 60
         while len(first.assignment()) < 2 and time.monotonic() < deadline:
