@@ -1,12 +1,11 @@
-"""Kafka load for the benchmark: a paced sender of requests and a reader that stamps when each
-result arrives, on librdkafka (confluent-kafka, as in the HTTP bridge) rather than kafka-python
-(InputQueue's).
+"""Kafka load for the benchmark: a paced sender of requests (InputQueue.enqueue) and a reader that
+stamps when each result arrives, both on librdkafka (confluent-kafka, as in the HTTP bridge)
+rather than kafka-python (OutputQueue's).
 
 They share the two cores of the development machine with the job they time, so they must cost
 little. At 31,000 req/s (half the mlp's capacity there), librdkafka's sender and reader used 0.32
 and 0.12 cores; kafka-python's used 0.77 and 0.37 and sent only 27,900 req/s, and the job's share
-of the latency rose from p99 20 to 85 ms under the contention. The product's own client is timed
-by the enqueue and dequeue phases (bench/run.py), not here."""
+of the latency rose from p99 20 to 85 ms under the contention."""
 
 from __future__ import annotations
 
@@ -18,19 +17,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from bridge.kafka_clients import fetched
+from client import DeliveryError, InputQueue
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import decode_message
-from connectors.inputs import encode_request
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of
 # rate x 1 ms, each stamped when it is really sent. (Spinning instead took a core of two from the job.)
 PACING_SLEEP_S = 0.001
-# What InputQueue's producer uses (client/queues.py): acks from every replica, 1 ms to fill a batch.
-SENDER_SETTINGS = {"acks": "all", "linger.ms": 1, "message.max.bytes": KAFKA_RECORD_BYTES}
+# How long the paced sender waits for its last requests to be written.
+DELIVERY_TIMEOUT_S = 60.0
 METADATA_TIMEOUT_S = 30.0
 
 
@@ -136,28 +135,17 @@ class ResultReader:
 
 def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str, samples: np.ndarray,
                  rate: float, stamps: multiprocessing.Queue) -> None:
-    """Sends one request per uri (input `name`, cycling through `samples`) at `rate` per second, as
-    InputQueue.enqueue would write it (key = uri, the same payload); run as a process of its own.
-    Puts (send time by uri, delivery errors) on `stamps`: perf_counter is the system's monotonic
-    clock, the same in every process."""
-    producer = Producer({"bootstrap.servers": bootstrap_servers, **SENDER_SETTINGS})
-    failed: list[str] = []
-
-    def delivered(error: KafkaError | None, _: Message) -> None:
-        if error is not None:
-            failed.append(str(error))
-
+    """Sends one request per uri (input `name`, cycling through `samples`) at `rate` per second
+    with InputQueue.enqueue; run as a process of its own. Puts (send time by uri, delivery errors)
+    on `stamps`: perf_counter is the system's monotonic clock, the same in every process."""
+    inputs = InputQueue(bootstrap_servers, topic)
     sent: dict[str, float] = {}
-    for i in paced(len(uris), rate):
-        uri = uris[i]
-        producer.poll(0)  # delivery reports
-        payload = encode_request(uri, {name: samples[i % len(samples)]})
-        sent[uri] = time.perf_counter()
-        while True:
-            try:
-                producer.produce(topic, key=uri.encode(), value=payload, on_delivery=delivered)
-                break
-            except BufferError:  # librdkafka's local queue is full: serve deliveries, then again
-                producer.poll(PACING_SLEEP_S)
-    unsent = producer.flush(60)
-    stamps.put((sent, failed + [f"{unsent} requests not delivered in 60 s"] * bool(unsent)))
+    try:
+        for i in paced(len(uris), rate):
+            sent[uris[i]] = time.perf_counter()
+            inputs.enqueue(uris[i], **{name: samples[i % len(samples)]})
+        inputs.flush(DELIVERY_TIMEOUT_S)
+        failed = []
+    except (DeliveryError, TimeoutError) as exc:
+        failed = [str(exc)]
+    stamps.put((sent, failed))

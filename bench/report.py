@@ -139,8 +139,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("HTTP requests", lambda m: m["http_protocol"]),
         *(row(f"HTTP, {plural(clients, 'client')}", lambda m, key=str(clients): (
             f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),
-        row("client InputQueue.enqueue, 1 thread", lambda m: (
-            f"{m['enqueue']['rate']:,.0f} req/s, {m['enqueue']['mb_per_s']:.1f} MB/s")),
+        *(row(f"client InputQueue.{method}, 1 thread", lambda m, method=method: (
+            f"{m[method]['rate']:,.0f} req/s, {m[method]['mb_per_s']:.1f} MB/s")) for method in ("enqueue", "enqueue_batch")),
         row("client OutputQueue.dequeue, 1 thread", lambda m: (
             f"{m['dequeue']:,.0f} results/s ({m['dequeue'] / m['capacity']:#.3g} x job capacity)")),
         row(f"ratio job / raw ORT batch {b}", lambda m: f"{m['ratios']['capacity_over_raw_ort']:#.3g}"),

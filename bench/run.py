@@ -21,8 +21,8 @@ requests), all measured in this run on this machine:
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
    requests over a kept-alive connection to the bridge for --http-seconds, after 2 s untimed:
    throughput and latency as they see them;
-5. client: how fast one thread puts the backlog on the topic with InputQueue.enqueue (+ one flush),
-   and how fast OutputQueue.dequeue from one thread hands over the job's results, against the
+5. client: how fast one thread puts the backlog on the topic, its first half with
+   InputQueue.enqueue (+ one flush), the rest with enqueue_batch, and how fast OutputQueue.dequeue from one thread hands over the job's results, against the
    job's capacity;
 6. two models: a repository serving the mlp twice, as models `a` and `b`, each with a servable.yaml
    of --batch-size and --max-delay-ms; a backlog alternating a, b, a, b ... drained by the job as in
@@ -46,6 +46,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -184,16 +185,34 @@ def plain_loop_rate(config_path: Path, config: ServingConfig, topic: str, start:
 
 
 def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str],
-                 models: tuple[str, ...] = (), label: str = "") -> dict[str, Any]:
-    """Puts the backlog on the input topic before anything serves; the time it takes is the
-    client's enqueue figure (one thread, InputQueue.enqueue per request, one flush). `models`:
-    the repository's models the requests name in turn (enqueue_all)."""
-    progress(label or model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue) ...")
+                 models: tuple[str, ...] = (), label: str = "") -> dict[str, dict[str, Any]]:
+    """Puts the backlog on the input topic before anything serves; the time it takes gives the
+    client's figures, each from one thread with one flush: InputQueue.enqueue, one call per
+    request, for the first half, and enqueue_batch for the rest. With `models` (the repository's
+    models the requests name in turn, see enqueue_all) all go through enqueue."""
+    half = len(uris) if models else len(uris) // 2
+    progress(label or model.name, f"filling a backlog of {len(uris)} requests (InputQueue.enqueue"
+                                  f"{'' if models else ', then enqueue_batch'}) ...")
+    figures = {"enqueue": client_rate("InputQueue.enqueue, one thread, one flush", model, half, lambda: (
+        enqueue_all(config, uris[:half], model.input_name, samples, models=models)))}
+    if half < len(uris):
+        figures["enqueue_batch"] = client_rate("InputQueue.enqueue_batch, one thread", model, len(uris) - half, lambda: (
+            enqueue_batch_all(config, uris[half:], model.input_name, samples)))
+    return figures
+
+
+def client_rate(method: str, model: BenchModel, count: int, send: Callable[[], None]) -> dict[str, Any]:
+    """Requests per second and MB/s of tensor payload of `send`, which sends `count` requests."""
     started = time.perf_counter()
-    enqueue_all(config, uris, model.input_name, samples, models=models)
-    rate = len(uris) / (time.perf_counter() - started)
-    return {"method": "InputQueue.enqueue, one thread, one flush", "rate": rate,
-            "mb_per_s": rate * model.instance_bytes / 1e6}
+    send()
+    rate = count / (time.perf_counter() - started)
+    return {"method": method, "rate": rate, "mb_per_s": rate * model.instance_bytes / 1e6}
+
+
+def enqueue_batch_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray) -> None:
+    """One request per uri (input `name`, cycling through `samples`) through one enqueue_batch call."""
+    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
+        inputs.enqueue_batch((uri, {name: samples[i % len(samples)]}) for i, uri in enumerate(uris))
 
 
 def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
@@ -266,7 +285,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
     samples = model.samples(SAMPLES)
     warmup, backlog = backlog_uris("", args.requests or model.requests, args)
-    enqueued = fill_backlog(config, model, samples, warmup + backlog)
+    client_figures = fill_backlog(config, model, samples, warmup + backlog)
 
     progress(model.name, "plain consumer loop (bench/baseline.py) draining the backlog ...")
     plain = plain_loop_rate(config_path, config, plain_topic, len(warmup), len(warmup) + len(backlog),
@@ -293,7 +312,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "serving_stage": serving_stage_rate([arrivals[uri] for uri in backlog if uri in arrivals]),
         "requests": len(backlog),
         "warmup": len(warmup),
-        "enqueue": enqueued,
+        **client_figures,
         "dequeue": dequeued,
         "plain_loop": plain,
         "capacity": capacity,
@@ -354,7 +373,7 @@ def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, fold
     warmup, backlog = backlog_uris("multi-", args.multi_model_requests, args)
     uris = warmup + backlog
     asked = {uri: MULTI_MODELS[i % len(MULTI_MODELS)] for i, uri in enumerate(uris)}
-    enqueued = fill_backlog(config, model, samples, uris, MULTI_MODELS, label)
+    client_figures = fill_backlog(config, model, samples, uris, MULTI_MODELS, label)
     progress(label, f"starting the job on a repository of {', '.join(MULTI_MODELS)}; it drains the backlog ...")
     reader = ResultReader(bootstrap, config.kafka.result_topic)
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job-multi-model.log")
@@ -377,7 +396,7 @@ def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, fold
         "source_model": model.name,
         "requests": len(backlog),
         "warmup": len(warmup),
-        "enqueue": enqueued,
+        **client_figures,
         "capacity": capacity,
         "models": served,
         "missing": sum(uri not in arrivals for uri in uris),

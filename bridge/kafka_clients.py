@@ -1,5 +1,5 @@
-"""The bridge's Kafka clients: librdkafka (confluent-kafka), where the rest of the project uses
-kafka-python.
+"""The bridge's Kafka clients: librdkafka (confluent-kafka), as InputQueue's producer, where the
+start-up checks and OutputQueue use kafka-python.
 
 The bridge produces one record per request and reads one result per request, as they come, for
 every client of the HTTP API at once, in the process that also parses their HTTP. kafka-python
@@ -19,34 +19,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaException, Message, Producer
 
 from conf import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
+from connectors.librdkafka import LOG_LEVEL, client_settings
 
 log = logging.getLogger("cluster_serving.bridge.kafka")
 # How often the producer's thread serves delivery reports and librdkafka's log lines when idle.
 POLL_INTERVAL_S = 0.2
-# librdkafka's log lines kept: critical and worse. Each failed attempt to reach a broker is an error
-# line (syslog level 3), and with the broker gone the bridge's two clients wrote 24 a second.
-LOG_LEVEL = 2
 # Records handed over per fetched() call once the first has come (the rest are already fetched).
 CONSUME_BATCH = 1000
 
 
 def librdkafka_settings(kafka: KafkaConfig, **settings: Any) -> dict[str, Any]:
-    """A librdkafka client's configuration: the broker, kafka.properties, then `settings`. Its log
-    lines go to this module's logger, and a lost broker is one line."""
-    def client_error(error: KafkaError) -> None:
-        """librdkafka retries a broker it lost by itself, and reports every failed attempt here
-        too: only its word that no broker is left (again every ~10 s while none is) and fatal
-        errors are logged."""
-        if error.code() == KafkaError._ALL_BROKERS_DOWN:
-            log.error("Kafka at %s: %s; requests are refused (503) until one is back", kafka.bootstrap_servers, error.str())
-        elif error.fatal():
-            log.error("Kafka at %s: %s", kafka.bootstrap_servers, error.str())
-
-    return {"bootstrap.servers": kafka.bootstrap_servers, **kafka.properties,
-            "logger": log, "log_level": LOG_LEVEL, "error_cb": client_error, **settings}
+    """A bridge client's librdkafka configuration: the broker, kafka.properties, then `settings`."""
+    return client_settings(kafka.bootstrap_servers, kafka.properties, log,
+                           "requests are refused (503) until one is back", **settings)
 
 
 def client_or_config_error(make: Callable[[], Any], key: str = "kafka.properties") -> Any:

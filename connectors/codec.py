@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from connectors.wire import v1, v2
-from connectors.wire.v2 import Served
+from connectors.wire.v2 import Served, encode_alike
 from connectors.wire.values import (
     CONTROL_HEADER,
     MAX_RANK,
@@ -28,7 +28,7 @@ from connectors.wire.values import (
 __all__ = [
     "CONTROL_HEADER", "MODEL_HEADER", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
     "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
-    "encode_rows",
+    "encode_alike", "encode_rows",
 ]
 
 

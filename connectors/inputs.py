@@ -15,7 +15,8 @@ import numpy as np
 
 from conf.repository import NAME as MODEL_NAME
 from connectors.codec import (
-    MODEL_HEADER, TOP_N_CLASSES, TOP_N_PROBABILITIES, VERSION_HEADER, Message, Value, encode_message,
+    MAX_URI_CHARS, MODEL_HEADER, TOP_N_CLASSES, TOP_N_PROBABILITIES, VERSION_HEADER, Message, Value, encode_alike,
+    encode_message,
 )
 from connectors.tensors import TensorError
 from connectors.wire.kinds import KINDS, JsonHints
@@ -71,6 +72,16 @@ def encode_request(uri: str, data: Mapping[str, Any]) -> bytes:
     if not data:
         raise TensorError("a request needs at least one named input, e.g. enqueue(uri, x=array)")
     return encode_message(Message(uri, {name: wire_value(name, value) for name, value in data.items()}))
+
+
+def encode_alike_requests(requests: list[tuple[str, Mapping[str, Any]]]) -> list[bytes] | None:
+    """Each request's bytes, as encode_request's, when their inputs are arrays alike in names,
+    number dtypes and shapes: encoded together, at an eighth of the cost for small ones. None when
+    they are not alike (encode each with encode_request, which also names what is wrong)."""
+    uris = [uri for uri, _ in requests]
+    if not all(isinstance(uri, str) and 0 < len(uri) <= MAX_URI_CHARS for uri in uris):
+        return None
+    return encode_alike(uris, [data for _, data in requests])
 
 
 def wire_value(name: str, value: Any) -> Value:

@@ -1,15 +1,59 @@
-"""OutputQueue semantics against the real broker process: what dequeue() returns, duplicates."""
+"""The client library against the real broker process: what enqueue_batch writes and what a
+refused record raises; what OutputQueue.dequeue() returns, duplicates."""
 
 from __future__ import annotations
 
 import uuid
 
 import numpy as np
+import pytest
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from client import OutputQueue
+from client import DeliveryError, InputQueue, OutputQueue
+from connectors.admin import topic_records
 from connectors.codec import Message, encode_message
+from connectors.inputs import encode_request
+
+
+def new_topic(bootstrap: str, partitions: int = 1, **configs: str) -> str:
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic(topic, partitions, 1, topic_configs=configs)])
+    admin.close()
+    return topic
+
+
+def test_enqueue_batch_writes_each_request_as_enqueue_does(broker) -> None:
+    """Alike requests are encoded together, others one by one; either way each record is the
+    request's own bytes, keyed by its uri, with the model header, and none is missing."""
+    bootstrap = broker.bootstrap_servers
+    topic = new_topic(bootstrap, partitions=2)
+    rows = np.random.default_rng(3).normal(size=(700, 16)).astype(np.float32)
+    requests = [(f"r{i}", {"features": row}) for i, row in enumerate(rows)]
+    requests[300:303] = [("text", {"words": ["a", "b"]}), ("other-shape", {"features": rows[0][:8]}),
+                         ("ints", {"features": np.arange(16)})]
+    with InputQueue(bootstrap, topic) as inputs:
+        assert inputs.enqueue_batch(requests, model="m") == len(requests)
+    records = {record.key.decode(): record for record in topic_records(bootstrap, topic)}
+    assert sorted(records) == sorted(uri for uri, _ in requests)
+    for uri, inputs in requests:
+        assert records[uri].value == encode_request(uri, inputs), uri
+        assert dict(records[uri].headers) == {"model": b"m"}
+
+
+def test_a_record_the_broker_refuses_is_named_at_flush_and_the_rest_go(broker) -> None:
+    bootstrap = broker.bootstrap_servers
+    topic = new_topic(bootstrap, **{"max.message.bytes": "2048"})
+    with InputQueue(bootstrap, topic) as inputs:
+        inputs.enqueue("small-1", x=np.zeros(16, np.float32))
+        inputs.flush()
+        inputs.enqueue("large", x=np.zeros(1024, np.float32))
+        with pytest.raises(DeliveryError, match="1 requests not written to topic .* \\('large'\\): .*too large"):
+            inputs.flush()
+        inputs.enqueue("small-2", x=np.zeros(16, np.float32))
+        inputs.flush()
+    assert sorted(record.key.decode() for record in topic_records(bootstrap, topic)) == ["small-1", "small-2"]
 
 
 def write_results(bootstrap: str, topic: str, messages: list[Message]) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from connectors.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
+from connectors.inputs import encode_alike_requests, encode_request
 from connectors.wire.v1 import END_OF_STREAM, _field, _table
 from connectors.wire.v2 import V2_MAGIC
 from connectors.wire.values import NUMERIC_DTYPES
@@ -40,6 +41,45 @@ def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], version
     out = decoded.tensors["t"]
     assert out.dtype == array.dtype and out.shape == array.shape
     assert out.tobytes() == array.tobytes()  # bit-exact, NaNs included
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(NUMERIC_DTYPES)),
+    byte_order=st.sampled_from("<>"),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    transposed=st.booleans(),
+    count=st.integers(1, 5),
+    data=st.data(),
+)
+def test_requests_encoded_together_are_each_ones_own_bytes(
+    dtype: str, byte_order: str, shape: tuple[int, ...], transposed: bool, count: int, data: st.DataObject
+) -> None:
+    """enqueue_batch's shortcut writes exactly what encode_request writes for each request, or
+    leaves them to it (None); it takes native little-endian arrays, whatever their memory order."""
+    typed = np.dtype(dtype).newbyteorder(byte_order)
+    arrays = [data.draw(hnp.arrays(typed, shape)) for _ in range(count)]
+    requests = [(f"r{i}", {"t": array.T if transposed else array, "n": np.array([i], np.int64)})
+                for i, array in enumerate(arrays)]
+    together = encode_alike_requests(requests)
+    assert together == [encode_request(uri, inputs) for uri, inputs in requests] or together is None
+    assert (together is None) == (typed.byteorder == ">")
+
+
+@pytest.mark.parametrize("odd_one", [
+    ("r9", {"t": np.zeros(3, np.float32)}),  # another shape
+    ("r9", {"t": np.zeros(4, np.float64)}),  # another dtype
+    ("r9", {"s": np.zeros(4, np.float32)}),  # another name
+    ("r9", {"t": [0.0, 0.0, 0.0, 0.0]}),  # a list, not an array
+    ("r9", {"t": np.zeros(4, np.float32), "s": np.zeros(1, np.float32)}),  # one input more
+    ("", {"t": np.zeros(4, np.float32)}),  # no uri
+    ("r" * 1025, {"t": np.zeros(4, np.float32)}),  # a uri over the limit
+])
+def test_requests_not_alike_are_left_to_encode_request(odd_one: tuple[str, dict]) -> None:
+    requests = [(f"r{i}", {"t": np.full(4, i, np.float32)}) for i in range(3)]
+    assert encode_alike_requests(requests) is not None
+    assert encode_alike_requests([*requests, odd_one]) is None
+    assert encode_alike_requests([(f"r{i}", {"t": np.array(["a", "b"])}) for i in range(3)]) is None
 
 
 @settings(max_examples=100, deadline=None)

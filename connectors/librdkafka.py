@@ -1,0 +1,32 @@
+"""What every librdkafka (confluent-kafka) client of the project is made with: the broker, the
+user's Kafka properties, its log lines sent to a Python logger, and a lost broker told once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import KafkaError
+
+# librdkafka's log lines kept: critical and worse. Each failed attempt to reach a broker is an error
+# line (syslog level 3), and with the broker gone the bridge's two clients wrote 24 a second.
+LOG_LEVEL = 2
+
+
+def client_settings(
+    bootstrap_servers: str, properties: Mapping[str, Any], log: logging.Logger, while_down: str, **settings: Any
+) -> dict[str, Any]:
+    """A librdkafka client's configuration: the broker, `properties` (Kafka's dotted names), then
+    `settings`. `while_down` says what the client's user sees while no broker is reachable."""
+    def client_error(error: KafkaError) -> None:
+        """librdkafka retries a broker it lost by itself, and reports every failed attempt here
+        too: only its word that no broker is left (again every ~10 s while none is) and fatal
+        errors are logged."""
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            log.error("Kafka at %s: %s; %s", bootstrap_servers, error.str(), while_down)
+        elif error.fatal():
+            log.error("Kafka at %s: %s", bootstrap_servers, error.str())
+
+    return {"bootstrap.servers": bootstrap_servers, **properties,
+            "logger": log, "log_level": LOG_LEVEL, "error_cb": client_error, **settings}
