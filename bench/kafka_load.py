@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
-from bridge.kafka_clients import fetched
 from client import DeliveryError, InputQueue
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import decode_message
+from connectors.librdkafka import fetched
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of

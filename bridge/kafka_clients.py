@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Message, Producer
+from confluent_kafka import KafkaException, Producer
 
 from conf import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
 from connectors.librdkafka import LOG_LEVEL, client_settings
@@ -27,8 +27,6 @@ from connectors.librdkafka import LOG_LEVEL, client_settings
 log = logging.getLogger("cluster_serving.bridge.kafka")
 # How often the producer's thread serves delivery reports and librdkafka's log lines when idle.
 POLL_INTERVAL_S = 0.2
-# Records handed over per fetched() call once the first has come (the rest are already fetched).
-CONSUME_BATCH = 1000
 
 
 def librdkafka_settings(kafka: KafkaConfig, **settings: Any) -> dict[str, Any]:
@@ -51,14 +49,6 @@ def check_properties(kafka: KafkaConfig) -> None:
     before anything runs. The client is made without a broker to reach, so it tries none (and
     reports no failure to reach one before the start's own check of the broker)."""
     client_or_config_error(lambda: Producer({**kafka.properties, "logger": log, "log_level": LOG_LEVEL})).flush(0)
-
-
-def fetched(consumer: Consumer, wait_s: float) -> list[Message]:
-    """What the consumer has: up to `wait_s` for the first record, then those already fetched
-    behind it. consume(n, wait) would wait for all n or the whole wait: every bridge request took
-    201 ms when the result reader used it."""
-    first = consumer.poll(wait_s)
-    return [] if first is None else [first, *consumer.consume(CONSUME_BATCH, 0)]
 
 
 class RequestProducer:

@@ -17,9 +17,10 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Message as Record
 
-from bridge.kafka_clients import client_or_config_error, fetched
+from bridge.kafka_clients import client_or_config_error
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import DecodeError, Message, decode_message
+from connectors.librdkafka import fetched
 
 log = logging.getLogger(__name__)
 REMEMBER_TIMED_OUT = 100_000

@@ -20,12 +20,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
-from kafka import KafkaConsumer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING, Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from conf import KAFKA_RECORD_BYTES, defaults
 from connectors.admin import READ_COMMITTED, LagProbe
-from connectors.librdkafka import client_settings
+from connectors.librdkafka import client_settings, fetched, keyword_settings
 from connectors.codec import DecodeError, decode_message
 from connectors.inputs import (
     Headers, Result, checked_model, encode_alike_requests, encode_request, request_headers, result_of,
@@ -71,6 +73,21 @@ PRODUCER_SETTINGS = {
 NAMED_FAILURES = 5
 # Requests of enqueue_batch encoded together when alike (connectors.inputs.encode_alike_requests).
 ENCODE_TOGETHER = 256
+CONSUMER_SETTINGS = {
+    "enable.auto.commit": False,
+    "auto.offset.reset": "earliest",
+    "isolation.level": READ_COMMITTED,
+    # Reaching a partition's end is an event, so dequeue() knows when it has read all there was.
+    "enable.partition.eof": True,
+}
+# How long metadata and offset questions wait for the broker.
+METADATA_TIMEOUT_S = 30.0
+# Between questions to a group coordinator that is not ready yet, which librdkafka does not call
+# retriable.
+COORDINATOR_RETRY_S = 0.1
+COORDINATOR_NOT_READY = {
+    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
+}
 # How long a send waits for librdkafka to write some records when its queue is full.
 QUEUE_FULL_WAIT_S = 0.05
 
@@ -89,9 +106,9 @@ class InputQueue:
     on the input topic; at `max_lag` records or more it blocks until the job catches up (at most
     `block_timeout_s`) or, with `when_full="refuse"`, raises QueueFullError at once.
 
-    Other keywords are Kafka producer settings with underscores for dots (`security_protocol`,
-    `sasl_mechanism`, `sasl_username`, `linger_ms`, ...): the producer is librdkafka's. The
-    queue-full guard's reader is kafka-python's and takes the ones it knows as they are written."""
+    Other keywords are Kafka settings with underscores for dots (`security_protocol`,
+    `sasl_mechanism`, `sasl_username`, `linger_ms`, ...), for its librdkafka producer and the
+    queue-full guard's reader."""
 
     def __init__(
         self,
@@ -115,7 +132,7 @@ class InputQueue:
         if sync and not self.frontend_url:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._producer = None if sync else Producer(client_settings(
-            bootstrap_servers, {**PRODUCER_SETTINGS, **{key.replace("_", "."): value for key, value in kafka.items()}},
+            bootstrap_servers, {**PRODUCER_SETTINGS, **keyword_settings(kafka)},
             log, "requests wait in the producer until one is back", on_delivery=self._not_delivered,
         ))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
@@ -123,7 +140,7 @@ class InputQueue:
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
         self.max_lag, self.when_full, self.block_timeout_s = max_lag, when_full, block_timeout_s
-        self._lag_probe = LagProbe(bootstrap_servers, topic, job_group_id, **kafka) if max_lag and not sync else None
+        self._lag_probe = LagProbe(bootstrap_servers, topic, job_group_id, keyword_settings(kafka)) if max_lag and not sync else None
         self._lag_checked = (-1.0, 0)  # (when, lag)
 
     def enqueue(self, uri: str, model: str | None = None, version: int | None = None, **data: Any) -> None:
@@ -306,7 +323,8 @@ class OutputQueue:
     A result is a dict (connectors.inputs.Result) whose `.model` and `.version` name what served it.
 
     It reads every partition of the result topic itself (no consumer-group rebalancing) and keeps
-    its position as the committed offset of `group_id`, moved forward by `dequeue()`.
+    its position as the committed offset of `group_id`, moved forward by `dequeue()`. Other
+    keywords are Kafka consumer settings with underscores for dots, as InputQueue's.
     """
 
     def __init__(
@@ -318,14 +336,13 @@ class OutputQueue:
     ):
         self.topic = topic
         self.store = ResultStore()
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers,
-            group_id=group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **{"isolation_level": READ_COMMITTED, **kafka},
-        )
+        settings = keyword_settings(kafka)
+        self._consumer = Consumer(client_settings(
+            bootstrap_servers, {**CONSUMER_SETTINGS, "group.id": group_id, **settings}, log, "results wait until one is back",
+        ))
+        self._admin = AdminClient(client_settings(bootstrap_servers, settings, log, "dequeue() waits until one is back"))
         self._partitions: list[TopicPartition] = []
+        self._next: dict[int, int] = {}  # partition -> the offset after the last record or end seen
 
     def query(self, uri: str, timeout: float = 0.0) -> Result | None:
         """The result for `uri`, waiting up to `timeout` seconds; None when it is not there."""
@@ -343,37 +360,80 @@ class OutputQueue:
         """All results that reached the topic before this call, removed from the queue (offsets
         committed). Results arriving meanwhile wait for the next call, so it always returns."""
         if self._assign():
-            targets = self._consumer.end_offsets(self._partitions)
-            while any(self._consumer.position(tp) < targets[tp] for tp in self._partitions):
+            ends = self._readable_ends()
+            while any(self._next.get(partition, -1) < end for partition, end in ends.items()):
                 self._poll(0.05)
         results = self.store.take_all()
-        if self._partitions:
-            self._consumer.commit()
+        if self._next:
+            self._consumer.commit(offsets=[TopicPartition(self.topic, partition, offset)
+                                           for partition, offset in self._next.items()], asynchronous=False)
         return results
+
+    def _readable_ends(self) -> dict[int, int]:
+        """Each partition's end as a read_committed reader sees it now: results of transactions
+        still open (kafka.delivery exactly_once) are not waited for."""
+        asked = self._admin.list_offsets({partition: OffsetSpec.latest() for partition in self._partitions},
+                                         isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=METADATA_TIMEOUT_S)
+        return {partition.partition: answer.result().offset for partition, answer in asked.items()}
 
     def _assign(self) -> bool:
         if not self._partitions:
-            ids = self._consumer.partitions_for_topic(self.topic)
-            if ids:
-                self._partitions = [TopicPartition(self.topic, pid) for pid in sorted(ids)]
-                self._consumer.assign(self._partitions)
+            topic = self._consumer.list_topics(self.topic, timeout=METADATA_TIMEOUT_S).topics.get(self.topic)
+            if topic is not None and topic.error is None and topic.partitions:
+                partitions = [TopicPartition(self.topic, pid) for pid in sorted(topic.partitions)]
+                self._consumer.assign(self._starts(partitions))
+                self._partitions = partitions
         return bool(self._partitions)
+
+    def _starts(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Where to read each partition from: the group's committed offset, else the start. Asked
+        here, again while the broker's group coordinator is still loading: librdkafka's own
+        question for an assignment gave up on that answer (Not coordinator), and the partitions
+        stayed unread."""
+        deadline = time.monotonic() + METADATA_TIMEOUT_S
+        while True:
+            try:
+                committed = self._consumer.committed(partitions, timeout=METADATA_TIMEOUT_S)
+                if not any(partition.error for partition in committed):
+                    break
+                error = next(partition.error for partition in committed if partition.error)
+            except KafkaException as exc:
+                error = exc.args[0]
+            if not (error.retriable() or error.code() in COORDINATOR_NOT_READY) or time.monotonic() >= deadline:
+                raise KafkaException(error)
+            time.sleep(COORDINATOR_RETRY_S)
+        return [TopicPartition(self.topic, partition.partition, partition.offset if partition.offset >= 0 else OFFSET_BEGINNING)
+                for partition in committed]
 
     def _poll(self, timeout_s: float) -> int:
         if not self._assign():
             time.sleep(timeout_s)
             return 0
         count = 0
-        for records in self._consumer.poll(timeout_ms=int(timeout_s * 1000)).values():
-            for record in records:
-                count += 1
-                try:
-                    message = decode_message(record.value or b"", KAFKA_RECORD_BYTES)
-                except DecodeError as exc:
-                    log.warning("unreadable result at offset %d skipped: %s", record.offset, exc)
-                    continue
-                self.store.add(message.uri, result_of(message))
+        for record in fetched(self._consumer, timeout_s):
+            error = record.error()
+            if error is not None:
+                self._read_error(record, error)
+                continue
+            count += 1
+            self._next[record.partition()] = record.offset() + 1
+            try:
+                message = decode_message(record.value() or b"", KAFKA_RECORD_BYTES)
+            except DecodeError as exc:
+                log.warning("unreadable result at offset %d skipped: %s", record.offset(), exc)
+                continue
+            self.store.add(message.uri, result_of(message))
         return count
+
+    def _read_error(self, record: Any, error: KafkaError) -> None:
+        """An event among the records: a partition's end, or a problem librdkafka retries by itself
+        (a group's coordinator still loading, ...) unless it is fatal."""
+        if error.code() == KafkaError._PARTITION_EOF:
+            self._next[record.partition()] = record.offset()
+        elif error.fatal():
+            raise KafkaException(error)
+        else:
+            log.log(logging.DEBUG if error.retriable() else logging.WARNING, "reading %s: %s", self.topic, error.str())
 
     def close(self) -> None:
         self._consumer.close()

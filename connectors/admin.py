@@ -10,12 +10,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import confluent_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from conf import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
+from connectors.librdkafka import client_settings
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 # not committed (yet, or ever: a restart aborts them); without transactions it reads the same as
 # read_uncommitted, so readers use it whatever the job's delivery setting is.
 READ_COMMITTED = "read_committed"
+# How long the lag's questions wait for the broker's answers.
+LAG_TIMEOUT_S = 10.0
 
 
 def client_properties(kafka: KafkaConfig) -> dict[str, str]:
@@ -177,30 +181,33 @@ def records_written(bootstrap_servers: str, topics: list[str], **properties: Any
 class LagProbe:
     """Measures how many records of `topic` are not yet covered by `group_id`'s committed offsets.
     The serving job commits on checkpoints, so this counts up to one checkpoint interval of
-    records more than the job really has left. Keeps one consumer (it never joins the group)."""
+    records more than the job really has left. Keeps one librdkafka consumer, which never joins
+    the group; `properties` are Kafka's dotted setting names (a producer's are ignored)."""
 
-    def __init__(self, bootstrap_servers: str, topic: str, group_id: str, **properties: Any):
+    def __init__(self, bootstrap_servers: str, topic: str, group_id: str, properties: Mapping[str, Any] | None = None):
         self.topic = topic
-        # The caller's settings may be a producer's too (linger_ms, ...): keep what a consumer takes.
-        settings = {key: value for key, value in properties.items() if key in KafkaConsumer.DEFAULT_CONFIG}
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=bootstrap_servers, group_id=group_id, enable_auto_commit=False, **settings
-        )
+        self._consumer = confluent_kafka.Consumer(client_settings(
+            bootstrap_servers, properties or {}, log, "the lag is not known until one is back",
+            **{"group.id": group_id, "enable.auto.commit": False},
+        ))
 
     def lag(self) -> int:
-        partitions = _partitions(self._consumer, self.topic)
-        if not partitions:
+        topic = self._consumer.list_topics(self.topic, timeout=LAG_TIMEOUT_S).topics.get(self.topic)
+        if topic is None or topic.error is not None:
             return 0
-        ends = self._consumer.end_offsets(partitions)
-        starts = self._consumer.beginning_offsets(partitions)
-        return sum(ends[tp] - max(self._consumer.committed(tp) or 0, starts[tp]) for tp in partitions)
+        partitions = [confluent_kafka.TopicPartition(self.topic, pid) for pid in sorted(topic.partitions)]
+        lag = 0
+        for partition in self._consumer.committed(partitions, timeout=LAG_TIMEOUT_S):
+            start, end = self._consumer.get_watermark_offsets(partition, timeout=LAG_TIMEOUT_S, cached=False)
+            lag += end - max(partition.offset, start)  # no commit yet: a negative offset
+        return lag
 
     def close(self) -> None:
         self._consumer.close()
 
 
-def consumer_lag(bootstrap_servers: str, topic: str, group_id: str, **properties: Any) -> int:
-    probe = LagProbe(bootstrap_servers, topic, group_id, **properties)
+def consumer_lag(bootstrap_servers: str, topic: str, group_id: str, properties: Mapping[str, Any] | None = None) -> int:
+    probe = LagProbe(bootstrap_servers, topic, group_id, properties)
     try:
         return probe.lag()
     finally:

@@ -7,8 +7,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError
+from confluent_kafka import Consumer, KafkaError, Message
 
+# Records handed over per fetched() call once the first has come (the rest are already fetched).
+CONSUME_BATCH = 1000
 # librdkafka's log lines kept: critical and worse. Each failed attempt to reach a broker is an error
 # line (syslog level 3), and with the broker gone the bridge's two clients wrote 24 a second.
 LOG_LEVEL = 2
@@ -30,3 +32,16 @@ def client_settings(
 
     return {"bootstrap.servers": bootstrap_servers, **properties,
             "logger": log, "log_level": LOG_LEVEL, "error_cb": client_error, **settings}
+
+
+def keyword_settings(keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """Python keywords as Kafka's setting names: security_protocol -> security.protocol."""
+    return {key.replace("_", "."): value for key, value in keywords.items()}
+
+
+def fetched(consumer: Consumer, wait_s: float) -> list[Message]:
+    """What the consumer has: up to `wait_s` for the first record, then those already fetched
+    behind it. consume(n, wait) would wait for all n or the whole wait: every bridge request took
+    201 ms when the result reader used it."""
+    first = consumer.poll(wait_s)
+    return [] if first is None else [first, *consumer.consume(CONSUME_BATCH, 0)]

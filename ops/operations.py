@@ -133,7 +133,7 @@ def kafka_figures(config: ServingConfig, backlog: int | None) -> dict[str, objec
     time.sleep(RATE_SAMPLE_S)
     after = records_written(kafka.bootstrap_servers, topics, **properties)
     elapsed = time.monotonic() - started
-    committed = consumer_lag(kafka.bootstrap_servers, kafka.input_topic, kafka.group_id, **properties)
+    committed = consumer_lag(kafka.bootstrap_servers, kafka.input_topic, kafka.group_id, kafka.properties)
     return {
         "broker": kafka.bootstrap_servers,
         "input lag": lag_text(backlog, committed, kafka.group_id),

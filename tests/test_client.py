@@ -4,7 +4,9 @@ refused record raises; what OutputQueue.dequeue() returns, duplicates."""
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
+import confluent_kafka
 import numpy as np
 import pytest
 from kafka import KafkaProducer
@@ -14,6 +16,7 @@ from client import DeliveryError, InputQueue, OutputQueue
 from connectors.admin import topic_records
 from connectors.codec import Message, encode_message
 from connectors.inputs import encode_request
+from tests.conftest import collect
 
 
 def new_topic(bootstrap: str, partitions: int = 1, **configs: str) -> str:
@@ -90,3 +93,23 @@ def test_dequeue_takes_what_is_there_and_collapses_replays(broker) -> None:
     # dequeue() committed: the same group starts after everything it already took.
     with OutputQueue(bootstrap, topic, group_id=group) as again:
         assert again.dequeue() == {}
+
+
+def test_dequeue_hands_over_what_is_committed_without_waiting_for_an_open_transaction(broker) -> None:
+    """Under kafka.delivery exactly_once the job's results stay in a transaction until the next
+    checkpoint: dequeue() returns what readers may see, and the rest once it is committed."""
+    bootstrap = broker.bootstrap_servers
+    topic = new_topic(bootstrap)
+    write_results(bootstrap, topic, [Message("committed", {"y": np.zeros(1, np.float32)})])
+    transactional = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "transactional.id": f"tx-{uuid.uuid4().hex}"})
+    transactional.init_transactions(30)
+    transactional.begin_transaction()
+    transactional.produce(topic, encode_message(Message("in-transaction", {"y": np.ones(1, np.float32)})), b"in-transaction")
+    transactional.flush(30)
+    with OutputQueue(bootstrap, topic, group_id=f"g-{uuid.uuid4().hex}") as outputs:
+        with ThreadPoolExecutor(1) as pool:
+            # A liveness bound, not a speed claim: ends taken from the high watermark, which counts
+            # the open transaction's record, would make this call wait for the commit.
+            assert list(pool.submit(outputs.dequeue).result(timeout=60)) == ["committed"]
+        transactional.commit_transaction(30)  # the broker marks the partitions committed after it returns
+        assert list(collect(outputs, 1, timeout=60)) == ["in-transaction"]
