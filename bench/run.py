@@ -22,8 +22,8 @@ requests), all measured in this run on this machine:
    requests over a kept-alive connection to the bridge for --http-seconds, after 2 s untimed:
    throughput and latency as they see them;
 5. client: how fast one thread puts the backlog on the topic, its first half with
-   InputQueue.enqueue (+ one flush), the rest with enqueue_batch, and how fast OutputQueue.dequeue from one thread hands over the job's results, against the
-   job's capacity;
+   InputQueue.enqueue (+ one flush), the rest with enqueue_batch, and how fast
+   OutputQueue.dequeue from one thread hands over the job's results, against the job's capacity;
 6. two models: a repository serving the mlp twice, as models `a` and `b`, each with a servable.yaml
    of --batch-size and --max-delay-ms; a backlog alternating a, b, a, b ... drained by the job as in
    3 (--multi-model-requests, 0: left out): capacity, and per model the mean size of the batches
