@@ -17,8 +17,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING, Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition,
@@ -34,6 +34,7 @@ from connectors.inputs import (
 )
 
 log = logging.getLogger(__name__)
+Client = TypeVar("Client")
 
 # The job's own defaults (conf/config.yaml), so a client with no arguments finds a default job.
 JOB_KAFKA = defaults().kafka
@@ -92,6 +93,15 @@ COORDINATOR_NOT_READY = {
 QUEUE_FULL_WAIT_S = 0.05
 
 
+def refused_as_value_error(make: Callable[[], Client]) -> Client:
+    """The librdkafka client `make` builds, or its refusal of a setting as one ValueError line."""
+    try:
+        return make()
+    except KafkaException as exc:
+        raise ValueError(f"Kafka settings: {exc.args[0].str()} (keywords are Kafka's setting names with "
+                         "underscores for dots, e.g. security_protocol)") from None
+
+
 class DeliveryError(RuntimeError):
     """Requests Kafka did not take: the broker refused them, or none was reachable for
     message.timeout.ms (2 minutes)."""
@@ -131,16 +141,17 @@ class InputQueue:
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
         if sync and not self.frontend_url:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
-        self._producer = None if sync else Producer(client_settings(
+        self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
             bootstrap_servers, {**PRODUCER_SETTINGS, **keyword_settings(kafka)},
             log, "requests wait in the producer until one is back", on_delivery=self._not_delivered,
-        ))
+        )))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
         self._closed = False
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
         self.max_lag, self.when_full, self.block_timeout_s = max_lag, when_full, block_timeout_s
-        self._lag_probe = LagProbe(bootstrap_servers, topic, job_group_id, keyword_settings(kafka)) if max_lag and not sync else None
+        self._lag_probe = refused_as_value_error(lambda: LagProbe(
+            bootstrap_servers, topic, job_group_id, keyword_settings(kafka))) if max_lag and not sync else None
         self._lag_checked = (-1.0, 0)  # (when, lag)
 
     def enqueue(self, uri: str, model: str | None = None, version: int | None = None, **data: Any) -> None:
@@ -337,9 +348,9 @@ class OutputQueue:
         self.topic = topic
         self.store = ResultStore()
         settings = keyword_settings(kafka)
-        self._consumer = Consumer(client_settings(
+        self._consumer = refused_as_value_error(lambda: Consumer(client_settings(
             bootstrap_servers, {**CONSUMER_SETTINGS, "group.id": group_id, **settings}, log, "results wait until one is back",
-        ))
+        )))
         self._admin = AdminClient(client_settings(bootstrap_servers, settings, log, "dequeue() waits until one is back"))
         self._partitions: list[TopicPartition] = []
         self._next: dict[int, int] = {}  # partition -> the offset after the last record or end seen

@@ -113,3 +113,14 @@ def test_dequeue_hands_over_what_is_committed_without_waiting_for_an_open_transa
             assert list(pool.submit(outputs.dequeue).result(timeout=60)) == ["committed"]
         transactional.commit_transaction(30)  # the broker marks the partitions committed after it returns
         assert list(collect(outputs, 1, timeout=60)) == ["in-transaction"]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: InputQueue("127.0.0.1:9", "t", no_such_setting=1),
+    lambda: OutputQueue("127.0.0.1:9", "t", no_such_setting=1),
+    lambda: InputQueue("127.0.0.1:9", "t", acks="sometimes"),
+])
+def test_a_kafka_setting_librdkafka_refuses_is_one_value_error(make) -> None:
+    with pytest.raises(ValueError, match=r"^Kafka settings: (No such configuration property: \"no.such.setting\"|"
+                                         r"Invalid value for configuration property \"request.required.acks\")"):
+        make()
