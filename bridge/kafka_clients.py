@@ -1,5 +1,5 @@
-"""The bridge's Kafka clients: librdkafka (confluent-kafka), as InputQueue's producer, where the
-start-up checks and OutputQueue use kafka-python.
+"""The bridge's Kafka clients: librdkafka (confluent-kafka), as the client library's, where the
+start-up checks use kafka-python.
 
 The bridge produces one record per request and reads one result per request, as they come, for
 every client of the HTTP API at once, in the process that also parses their HTTP. kafka-python

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -27,7 +28,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from conf import KAFKA_RECORD_BYTES, defaults
 from connectors.admin import READ_COMMITTED, LagProbe
-from connectors.librdkafka import client_settings, fetched, keyword_settings
+from connectors.librdkafka import client_settings, committed_offsets, fetched, keyword_settings, topic_partitions
 from connectors.codec import DecodeError, decode_message
 from connectors.inputs import (
     Headers, Result, checked_model, encode_alike_requests, encode_request, request_headers, result_of,
@@ -84,12 +85,6 @@ CONSUMER_SETTINGS = {
 }
 # How long metadata and offset questions wait for the broker.
 METADATA_TIMEOUT_S = 30.0
-# Between questions to a group coordinator that is not ready yet, which librdkafka does not call
-# retriable.
-COORDINATOR_RETRY_S = 0.1
-COORDINATOR_NOT_READY = {
-    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
-}
 # How long a send waits for librdkafka to write some records when its queue is full.
 QUEUE_FULL_WAIT_S = 0.05
 
@@ -348,11 +343,11 @@ class OutputQueue:
     ):
         self.topic = topic
         self.store = ResultStore()
-        settings = keyword_settings(kafka)
+        self._bootstrap_servers, self._settings = bootstrap_servers, keyword_settings(kafka)
         self._consumer = refused_as_value_error(lambda: Consumer(client_settings(
-            bootstrap_servers, {**CONSUMER_SETTINGS, "group.id": group_id, **settings}, log, "results wait until one is back",
+            bootstrap_servers, {**CONSUMER_SETTINGS, "group.id": group_id, **self._settings}, log,
+            "results wait until one is back",
         )))
-        self._admin = AdminClient(client_settings(bootstrap_servers, settings, log, "dequeue() waits until one is back"))
         self._partitions: list[TopicPartition] = []
         self._next: dict[int, int] = {}  # partition -> the offset after the last record or end seen
 
@@ -381,6 +376,11 @@ class OutputQueue:
                                            for partition, offset in self._next.items()], asynchronous=False)
         return results
 
+    @functools.cached_property
+    def _admin(self) -> AdminClient:
+        """Made at the first dequeue(): a reader that only queries needs none."""
+        return AdminClient(client_settings(self._bootstrap_servers, self._settings, log, "dequeue() waits until one is back"))
+
     def _readable_ends(self) -> dict[int, int]:
         """Each partition's end as a read_committed reader sees it now: results of transactions
         still open (kafka.delivery exactly_once) are not waited for."""
@@ -389,33 +389,17 @@ class OutputQueue:
         return {partition.partition: answer.result().offset for partition, answer in asked.items()}
 
     def _assign(self) -> bool:
+        """Reads every partition of the topic, once it exists, from the group's committed offset,
+        else from the start."""
         if not self._partitions:
-            topic = self._consumer.list_topics(self.topic, timeout=METADATA_TIMEOUT_S).topics.get(self.topic)
-            if topic is not None and topic.error is None and topic.partitions:
-                partitions = [TopicPartition(self.topic, pid) for pid in sorted(topic.partitions)]
-                self._consumer.assign(self._starts(partitions))
+            partitions = topic_partitions(self._consumer, self.topic, METADATA_TIMEOUT_S)
+            if partitions:
+                self._consumer.assign([
+                    TopicPartition(self.topic, partition.partition, partition.offset if partition.offset >= 0 else OFFSET_BEGINNING)
+                    for partition in committed_offsets(self._consumer, partitions, METADATA_TIMEOUT_S)
+                ])
                 self._partitions = partitions
         return bool(self._partitions)
-
-    def _starts(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
-        """Where to read each partition from: the group's committed offset, else the start. Asked
-        here, again while the broker's group coordinator is still loading: librdkafka's own
-        question for an assignment gave up on that answer (Not coordinator), and the partitions
-        stayed unread."""
-        deadline = time.monotonic() + METADATA_TIMEOUT_S
-        while True:
-            try:
-                committed = self._consumer.committed(partitions, timeout=METADATA_TIMEOUT_S)
-                if not any(partition.error for partition in committed):
-                    break
-                error = next(partition.error for partition in committed if partition.error)
-            except KafkaException as exc:
-                error = exc.args[0]
-            if not (error.retriable() or error.code() in COORDINATOR_NOT_READY) or time.monotonic() >= deadline:
-                raise KafkaException(error)
-            time.sleep(COORDINATOR_RETRY_S)
-        return [TopicPartition(self.topic, partition.partition, partition.offset if partition.offset >= 0 else OFFSET_BEGINNING)
-                for partition in committed]
 
     def _poll(self, timeout_s: float) -> int:
         if not self._assign():

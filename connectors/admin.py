@@ -17,7 +17,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from conf import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
-from connectors.librdkafka import client_settings
+from connectors.librdkafka import client_settings, committed_offsets, topic_partitions
 
 log = logging.getLogger(__name__)
 
@@ -192,12 +192,11 @@ class LagProbe:
         ))
 
     def lag(self) -> int:
-        topic = self._consumer.list_topics(self.topic, timeout=LAG_TIMEOUT_S).topics.get(self.topic)
-        if topic is None or topic.error is not None:
+        partitions = topic_partitions(self._consumer, self.topic, LAG_TIMEOUT_S)
+        if not partitions:
             return 0
-        partitions = [confluent_kafka.TopicPartition(self.topic, pid) for pid in sorted(topic.partitions)]
         lag = 0
-        for partition in self._consumer.committed(partitions, timeout=LAG_TIMEOUT_S):
+        for partition in committed_offsets(self._consumer, partitions, LAG_TIMEOUT_S):
             start, end = self._consumer.get_watermark_offsets(partition, timeout=LAG_TIMEOUT_S, cached=False)
             lag += end - max(partition.offset, start)  # no commit yet: a negative offset
         return lag

@@ -4,16 +4,23 @@ user's Kafka properties, its log lines sent to a Python logger, and a lost broke
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 # Records handed over per fetched() call once the first has come (the rest are already fetched).
 CONSUME_BATCH = 1000
 # librdkafka's log lines kept: critical and worse. Each failed attempt to reach a broker is an error
 # line (syslog level 3), and with the broker gone the bridge's two clients wrote 24 a second.
 LOG_LEVEL = 2
+# A group coordinator that is not ready yet: asked again this often. librdkafka does not call
+# these errors retriable.
+COORDINATOR_RETRY_S = 0.1
+COORDINATOR_NOT_READY = {
+    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
+}
 
 
 def client_settings(
@@ -45,3 +52,30 @@ def fetched(consumer: Consumer, wait_s: float) -> list[Message]:
     201 ms when the result reader used it."""
     first = consumer.poll(wait_s)
     return [] if first is None else [first, *consumer.consume(CONSUME_BATCH, 0)]
+
+
+def topic_partitions(consumer: Consumer, topic: str, timeout_s: float) -> list[TopicPartition]:
+    """The topic's partitions in order; none while the broker does not know the topic."""
+    metadata = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+    if metadata is None or metadata.error is not None:
+        return []
+    return [TopicPartition(topic, pid) for pid in sorted(metadata.partitions)]
+
+
+def committed_offsets(consumer: Consumer, partitions: list[TopicPartition], timeout_s: float) -> list[TopicPartition]:
+    """The consumer's group's committed offset of each partition (negative where there is none),
+    asked again while the broker's group coordinator is still loading (for up to `timeout_s`):
+    librdkafka's own question for an assign() gave up on that answer (Not coordinator), and the
+    partitions stayed unread."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            committed = consumer.committed(partitions, timeout=timeout_s)
+            error = next((partition.error for partition in committed if partition.error), None)
+            if error is None:
+                return committed
+        except KafkaException as exc:
+            error = exc.args[0]
+        if not (error.retriable() or error.code() in COORDINATOR_NOT_READY) or time.monotonic() >= deadline:
+            raise KafkaException(error)
+        time.sleep(COORDINATOR_RETRY_S)
