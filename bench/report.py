@@ -96,7 +96,8 @@ def multi_model_rows(multi: dict[str, Any]) -> list[tuple[str, str]]:
     def share(value: float) -> str:
         return "n/a" if math.isnan(value) else f"{value:.0%}"
 
-    compared = (f"; {multi['capacity_over_single_model']:#.3g} of the {source} alone ({alone['capacity']:,.0f})"
+    compared = (f"; {multi['capacity_over_single_model']:#.3g} of the {source} alone right after start "
+                f"({alone['capacity']:,.0f})"
                 if alone else f"; the {source} alone: not run (--models)")
     alone_batch = f"; the {source} alone {alone['mean_batch']:.1f}" if alone else ""
     return [
@@ -128,7 +129,9 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("raw ORT, batch 1 (req/s)", lambda m: f"{m['raw_ort']['1']:,.0f}"),
         row(f"raw ORT, batch {b} (req/s)", lambda m: f"{m['raw_ort'][str(b)]:,.0f}"),
         row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
-        row("job capacity (req/s)", lambda m: f"{m['capacity']:,.0f} (backlog {m['requests']:,})"),
+        row("job capacity, running (req/s)", lambda m: (
+            f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,})")),
+        row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
         row("  its serving stage alone (req/s)", lambda m: (
             f"{m['serving_stage']:,.0f} ({m['ratios']['serving_stage_over_raw_ort']:#.3g} of raw ORT at batch {b})")),
