@@ -15,7 +15,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from client import DeliveryError, InputQueue, OutputQueue
 from connectors.admin import topic_records
 from connectors.codec import Message, encode_message
-from connectors.inputs import encode_request
+from connectors.inputs import encode_by_kind
 from tests.conftest import collect
 
 
@@ -27,7 +27,7 @@ def new_topic(bootstrap: str, partitions: int = 1, **configs: str) -> str:
     return topic
 
 
-def test_enqueue_batch_writes_each_request_as_enqueue_does(broker) -> None:
+def test_enqueue_batch_writes_each_request_as_the_general_encoder_does(broker) -> None:
     """Alike requests are encoded together, others one by one; either way each record is the
     request's own bytes, keyed by its uri, with the model header, and none is missing."""
     bootstrap = broker.bootstrap_servers
@@ -41,7 +41,7 @@ def test_enqueue_batch_writes_each_request_as_enqueue_does(broker) -> None:
     records = {record.key.decode(): record for record in topic_records(bootstrap, topic)}
     assert sorted(records) == sorted(uri for uri, _ in requests)
     for uri, inputs in requests:
-        assert records[uri].value == encode_request(uri, inputs), uri
+        assert records[uri].value == encode_by_kind(uri, inputs), uri
         assert dict(records[uri].headers) == {"model": b"m"}
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from connectors.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
-from connectors.inputs import encode_alike_requests, encode_request
+from connectors.inputs import encode_alike_requests, encode_by_kind
 from connectors.wire.v1 import END_OF_STREAM, _field, _table
 from connectors.wire.v2 import V2_MAGIC
 from connectors.wire.values import NUMERIC_DTYPES
@@ -55,14 +55,15 @@ def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], version
 def test_requests_encoded_together_are_each_ones_own_bytes(
     dtype: str, byte_order: str, shape: tuple[int, ...], transposed: bool, count: int, data: st.DataObject
 ) -> None:
-    """enqueue_batch's shortcut writes exactly what encode_request writes for each request, or
-    leaves them to it (None); it takes native little-endian arrays, whatever their memory order."""
+    """The shortcut of enqueue_batch (and of encode_request, for one request) writes exactly what
+    the general path writes for each request, or leaves them to it (None); it takes native
+    little-endian arrays, whatever their memory order."""
     typed = np.dtype(dtype).newbyteorder(byte_order)
     arrays = [data.draw(hnp.arrays(typed, shape)) for _ in range(count)]
     requests = [(f"r{i}", {"t": array.T if transposed else array, "n": np.array([i], np.int64)})
                 for i, array in enumerate(arrays)]
     together = encode_alike_requests(requests)
-    assert together == [encode_request(uri, inputs) for uri, inputs in requests] or together is None
+    assert together == [encode_by_kind(uri, inputs) for uri, inputs in requests] or together is None
     assert (together is None) == (typed.byteorder == ">")
 
 
