@@ -8,11 +8,9 @@ of the latency rose from p99 20 to 85 ms under the contention."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +19,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from client import DeliveryError, InputQueue
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import decode_message
-from connectors.librdkafka import fetched
+from connectors.librdkafka import fetched, gc_paused
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of
@@ -52,19 +50,6 @@ def paced(count: int, rate: float) -> Iterator[int]:
         if ahead > 0:
             time.sleep(max(ahead, PACING_SLEEP_S))
         yield i
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No garbage collection while results are timed: a full collection walks every arrival kept
-    so far, hundreds of thousands after a drain. At 31,000 req/s, the time from a result's append
-    to its read was p99 65-76 ms with the collector on (its older objects frozen), 11-16 with it off
-    (one run each)."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class ResultReader:

@@ -28,7 +28,9 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from conf import KAFKA_RECORD_BYTES, defaults
 from connectors.admin import READ_COMMITTED, LagProbe
-from connectors.librdkafka import client_settings, committed_offsets, fetched, keyword_settings, topic_partitions
+from connectors.librdkafka import (
+    client_settings, committed_offsets, fetched, gc_paused, keyword_settings, topic_partitions,
+)
 from connectors.codec import DecodeError, decode_message
 from connectors.inputs import (
     Headers, Result, checked_model, encode_alike_requests, encode_request, request_headers, result_of,
@@ -368,8 +370,9 @@ class OutputQueue:
         committed). Results arriving meanwhile wait for the next call, so it always returns."""
         if self._assign():
             ends = self._readable_ends()
-            while any(self._next.get(partition, -1) < end for partition, end in ends.items()):
-                self._poll(0.05)
+            with gc_paused():
+                while any(self._next.get(partition, -1) < end for partition, end in ends.items()):
+                    self._poll(0.05)
         results = self.store.take_all()
         if self._next:
             self._consumer.commit(offsets=[TopicPartition(self.topic, partition, offset)
