@@ -183,10 +183,11 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     """(capacity, bound by the writer): the running job's drain rate. A second backlog goes on the
     input topic through enqueue_batch while the job serves, several times faster than it drains, and
     is timed like the first from the moment it is all written. The first drain, begun as the job
-    starts, runs while the JVM's JIT compilers are at work: the mlp's was 48,000-66,000 req/s where
-    this one was 78,000-140,000 in the same runs. Should the job drain more than half of the
-    backlog while it is written, what is left is too short to time: the figure is then the whole
-    backlog over the time from its first write to its last result, a lower bound set by the writer."""
+    starts, runs while the JVM's JIT compilers are at work: the mlp's was 47,923-66,561 req/s and
+    this one 78,301-140,362 in twelve runs of thirteen (the thirteenth: 96,574 and 83,783), the
+    same job code, one evening. Should the job drain more than half of the backlog while it is
+    written, what is left is too short to time: the figure is then the whole backlog over the time
+    from its first write to its last result, a lower bound set by the writer."""
     progress(model.name, f"a second backlog of {len(uris)} requests, written while the job runs ...")
     before, started = reader.written(), time.perf_counter()
     enqueue_batch_all(config, uris, model.input_name, samples)
