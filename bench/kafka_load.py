@@ -19,7 +19,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from client import DeliveryError, InputQueue
 from conf import KAFKA_RECORD_BYTES
 from connectors.codec import decode_message
-from connectors.librdkafka import fetched, gc_paused
+from connectors.librdkafka import fetched, gc_paused, topic_partitions
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of
@@ -61,8 +61,9 @@ class ResultReader:
             # As kafka-python reads by default, and as the bench read before it moved to librdkafka.
             "isolation.level": "read_uncommitted",
         })
-        partitions = self.consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S).topics[topic].partitions
-        self.partitions = [TopicPartition(topic, partition) for partition in sorted(partitions)]
+        self.partitions = topic_partitions(self.consumer, topic, METADATA_TIMEOUT_S)
+        if not self.partitions:
+            raise RuntimeError(f"the broker does not know the result topic {topic!r}")
         self.consumer.assign([TopicPartition(topic, p.partition, OFFSET_BEGINNING) for p in self.partitions])
         self.arrivals: dict[str, Arrival] = {}
         self.duplicates = 0
