@@ -85,7 +85,8 @@ def encode_by_kind(uri: str, data: Mapping[str, Any]) -> bytes:
 
 def encode_alike_requests(requests: list[tuple[str, Mapping[str, Any]]]) -> list[bytes] | None:
     """Each request's bytes, as encode_request's, when their inputs are arrays alike in names,
-    number dtypes and shapes: encoded together, at an eighth of the cost for small ones. None when
+    number dtypes and shapes: encoded together, at an eighth of encode_by_kind's cost for small
+    ones (a quarter of encode_request's, which takes this path for one request). None when
     they are not alike (encode each with encode_request, which also names what is wrong)."""
     uris = [uri for uri, _ in requests]
     if not all(isinstance(uri, str) and 0 < len(uri) <= MAX_URI_CHARS for uri in uris):
