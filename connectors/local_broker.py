@@ -52,11 +52,13 @@ BROKER_LOG = "broker.log"
 # Logged by this broker once it serves (kafka.server.KafkaRaftServer, kept at INFO below).
 SERVER_STARTED = "Kafka Server started"
 # The JVM's heap: the broker of one developer's topics needs little; Flink shares the machine.
-# The parallel collector, not Kafka's usual G1: on two cores shared with the job and its clients,
+# The serial collector, not Kafka's usual G1: on two cores shared with the job and its clients,
 # G1 paused the broker for 6-25 ms every 1.8 s (young pauses, then remarks), and every request in
-# flight waited. Requests paced at 45,000/s to the mlp (bench), send -> result read: p99 42, 74,
-# 81 and 87 ms with G1; 15, 30, 33 and 34 ms with this (young pauses of 5-30 ms every 3-5 s).
-JVM_OPTIONS = ["-Xms512m", "-Xmx1g", "-XX:+UseParallelGC", "-Djava.awt.headless=true"]
+# flight waited. Requests paced at 47,000/s to the mlp, send -> result read, p99: G1 29 and 63 ms;
+# serial 20, 28 and 33 ms (young pauses of 6-60 ms every 2 s; the broker 0.30-0.35 of a core
+# against G1's 0.34-0.38); parallel 14 and 24 ms, but with a 406 ms pause once as it grew the
+# heap: its two collector threads wait on each other whenever either loses its core.
+JVM_OPTIONS = ["-Xms512m", "-Xmx1g", "-XX:+UseSerialGC", "-Djava.awt.headless=true"]
 
 # One node, so every internal topic has one replica. Group joins are not held back for late
 # members (Kafka's 3 s default suits clusters of many consumers, not a developer's machine), and
