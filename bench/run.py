@@ -269,8 +269,9 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
         kafka.bootstrap_servers, kafka.input_topic, warmup + uris, model.input_name, samples, rate, stamps))
     sender.start()
     reader.read_until(warmup + uris, timeout=300 + len(warmup + uris) / rate)
-    sent, failed = stamps.get(timeout=60)
+    times, failed = stamps.get(timeout=60)
     sender.join()
+    sent = dict(zip(warmup + uris, times.tolist()))
     if failed:
         raise RuntimeError(f"the paced sender could not deliver {len(failed)} requests: {failed[0]}")
     # One client process may not keep up with half a high capacity: say what it really sent.
