@@ -16,7 +16,7 @@ requests), all measured in this run on this machine:
    then capacity = the rate at which the running job drains a second backlog as large, written
    while it serves (see running_drain), and its serving stage alone over that backlog, from the
    time each result says its batch took; then latency (send -> result read) of requests paced
-   at half that capacity (or --rate) for --latency-seconds, after 10 s at that rate untimed;
+   at half that capacity (or --rate) for --latency-seconds, after 30 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
    cores to the job, and the job's share is told apart by the broker's append times;
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
@@ -83,9 +83,11 @@ HTTP_SECONDS = 5.0
 LATENCY_LOAD = 0.5
 # The paced phase's length, after LATENCY_WARMUP_S at its rate untimed. The job's JVM is young when
 # the phase starts (a minute or two old, its JIT compilers still busy): with 1 s untimed the job's
-# share of the latency was p99 126 ms at 27,785 req/s; with 10 s, p99 18 ms at 31,000 req/s.
+# share of the latency was p99 126 ms at 27,785 req/s; with 10 s, p99 18 ms at 31,000 req/s. Its
+# C2 compiler still installed 11 methods a second in the 20 s after that: one minute paced at
+# 50,000/s after 10 s untimed, p99 per 10 s: 44, 23, 22, 25, 22 and 24 ms. Hence 30 s.
 LATENCY_SECONDS = 10.0
-LATENCY_WARMUP_S = 10.0
+LATENCY_WARMUP_S = 30.0
 LATENCY_MIN_REQUESTS = 100
 DRAIN_TIMEOUT_S = 900.0
 DEFAULT_HIDDEN = 256
