@@ -273,7 +273,7 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     reader.read_until(warmup + uris, timeout=300 + len(warmup + uris) / rate)
     times, failed = stamps.get(timeout=60)
     sender.join()
-    sent = dict(zip(warmup + uris, times.tolist()))
+    sent = dict(zip(uris, times[len(warmup):].tolist()))  # the timed ones; the warm-up's go first
     if failed:
         raise RuntimeError(f"the paced sender could not deliver {len(failed)} requests: {failed[0]}")
     # One client process may not keep up with half a high capacity: say what it really sent.
