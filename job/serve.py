@@ -9,6 +9,7 @@ own error result; the batch's other requests are served.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -39,6 +40,10 @@ class ServeBatch(MapFunction):
         self.inference_us = self.metrics.distribution("inferenceTimeUs")
         self.inference_errors = self.metrics.counter("inferenceErrors")
         self.per_version: dict[tuple[str, int], tuple] = {}
+        # What is loaded by now (Flink's, Beam's, numpy's and ONNX Runtime's modules, the models)
+        # lives as long as the job: frozen, Python's collector no longer walks it in each full
+        # collection. Unfrozen, one took 66 ms at 45,000 req/s, and every request in flight waited.
+        gc.freeze()
 
     def map(self, value: DecodedBatch) -> list[Outcome]:
         if value.table is not None:
