@@ -56,10 +56,10 @@ def batch_stats(sizes: list[int], batch_size: int) -> dict[str, Any]:
             "full_share": sum(size >= batch_size for size in known) / len(known) if known else float("nan")}
 
 
-def with_ratios(figures: dict[str, Any], raw: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+def with_ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     most = str(args.http_clients[-1])
-    ceiling = raw[str(args.batch_size)]
-    return {**figures, "raw_ort": raw, "ratios": {
+    ceiling = figures["raw_ort"][str(args.batch_size)]
+    return {**figures, "ratios": {
         "capacity_over_raw_ort": figures["capacity"] / ceiling,
         "serving_stage_over_raw_ort": figures["serving_stage"] / ceiling,
         "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
@@ -127,7 +127,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("model", lambda m: m["description"]),
         row("request tensor", lambda m: f"{m['instance_bytes']:,} B"),
         row("raw ORT, batch 1 (req/s)", lambda m: f"{m['raw_ort']['1']:,.0f}"),
-        row(f"raw ORT, batch {b} (req/s)", lambda m: f"{m['raw_ort'][str(b)]:,.0f}"),
+        row(f"raw ORT, batch {b} (req/s)", lambda m: (
+            f"{m['raw_ort'][str(b)]:,.0f} (mean of 3: {m['raw_ort_range'][str(b)][0]:,.0f}-{m['raw_ort_range'][str(b)][1]:,.0f})")),
         row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,})")),

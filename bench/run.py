@@ -7,7 +7,11 @@ Two models, one run, one table (and with --json, the same figures as JSON):
 For each model (bench/models.py: the sample classifier, 64-byte requests; a small CNN, 48 KiB
 requests), all measured in this run on this machine:
 1. raw ONNX Runtime: a plain session (same model and device choice as the job's) fed ready
-   batches of 1 and of --batch-size: the ceiling of what serving can reach;
+   batches of 1 and of --batch-size: the ceiling of what serving can reach. Measured three times
+   beside the model's own phases (before its job starts, after the job's capacity drain, after its
+   HTTP phases; the broker and the job idle), the mean the ceiling: this machine's speed drifts
+   (the CNN's raw ORT at batch 32: 1,191 to 1,519 req/s on different minutes of one day), and a
+   ceiling taken minutes away from the drain it divides was as much that drift as the job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
    on the same backlog, timed the same way as the job;
 3. the job: it starts on that backlog and drains it, timed by the result topic's end offsets
@@ -148,6 +152,18 @@ def ready_batch(session: ort.InferenceSession, batch_size: int) -> dict[str, np.
         node.name: rng.normal(size=(batch_size, *node.shape[1:])).astype(ONNX_DTYPES[node.type])
         for node in session.get_inputs()
     }
+
+
+def raw_rates(session: ort.InferenceSession, batch_size: int) -> dict[str, float]:
+    """Raw ONNX Runtime at batch 1 and `batch_size`, keyed by the batch size as JSON writes it."""
+    return {str(size): raw_onnxruntime(session, size) for size in (1, batch_size)}
+
+
+def ceiling(measured: list[dict[str, float]]) -> dict[str, Any]:
+    """The mean of the raw ORT measurements per batch size, and each size's (lowest, highest)."""
+    return {"raw_ort": {size: float(np.mean([m[size] for m in measured])) for size in measured[0]},
+            "raw_ort_range": {size: (min(m[size] for m in measured), max(m[size] for m in measured))
+                              for size in measured[0]}}
 
 
 def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, seconds: float = 2.0) -> float:
@@ -325,6 +341,9 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     plain = plain_loop_rate(config_path, config, plain_topic, len(warmup), len(warmup) + len(backlog),
                             folder / f"plain-loop-{model.name}.log")
 
+    session = open_session(model_path, args.device, args.threads)  # the job's provider choice and threads
+    progress(model.name, f"raw ONNX Runtime at batch 1 and {args.batch_size} (1 of 3) ...")
+    raw = [raw_rates(session, args.batch_size)]
     progress(model.name, "starting the job; it drains the backlog as soon as it runs ...")
     reader = ResultReader(bootstrap, config.kafka.result_topic)
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / f"job-{model.name}.log")
@@ -335,16 +354,22 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         dequeued = dequeue_rate(config, len(warmup) + len(backlog))
         running = [f"running-{i}" for i in range(len(backlog))]
         capacity, writer_bound = running_drain(config, reader, job, model, samples, running)
+        progress(model.name, "raw ONNX Runtime (2 of 3) ...")
+        raw.append(raw_rates(session, args.batch_size))
         rate = args.rate or LATENCY_LOAD * capacity
         paced_warmup, paced = paced_uris(rate, args.latency_seconds)
         latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced)
         served = http_phases(model, config_path, folder, samples, args)
+        progress(model.name, "raw ONNX Runtime (3 of 3) ...")
+        raw.append(raw_rates(session, args.batch_size))
     finally:
         job.stop()
         reader.close()
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in running if uri in arrivals]
     return {
+        "provider": session.get_providers()[0],
+        **ceiling(raw),
         "serving_stage": serving_stage_rate([arrivals[uri] for uri in running if uri in arrivals]),
         "requests": len(backlog),
         "warmup": len(warmup),
@@ -498,8 +523,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -> dict[str, Any]:
-    """Serving phases for every model on one broker (and the two-model drain), then raw ONNX Runtime
-    once the broker is down, so nothing else uses the cores while the ceiling is measured."""
+    """Serving phases for every model on one broker (raw ONNX Runtime among them), and the
+    two-model drain."""
     paths = {name: models[name].build(folder / f"{name}.onnx") for name in args.models}
     source = models[MULTI_MODEL_SOURCE]
     source_path = paths.get(source.name) or source.build(folder / f"{source.name}.onnx")
@@ -515,23 +540,19 @@ def run(args: argparse.Namespace, models: dict[str, BenchModel], folder: Path) -
     finally:
         if broker:
             broker.stop()
-    results, providers = {}, []
+    results = {}
     for name in args.models:
-        progress(name, f"raw ONNX Runtime at batch 1 and {args.batch_size} ...")
-        # The same provider choice as the job's, so the ratios compare like with like.
-        session = open_session(paths[name], args.device, args.threads)
-        providers.append(session.get_providers()[0])
-        raw = {str(size): raw_onnxruntime(session, size) for size in (1, args.batch_size)}
         model = models[name]
         results[name] = {"description": model.description, "instance_bytes": model.instance_bytes,
-                         "http_protocol": http_protocol(model), **with_ratios(figures[name], raw, args)}
+                         "http_protocol": http_protocol(model), **with_ratios(figures[name], args)}
     if multi is not None:
         alone = figures.get(source.name)
         # Both drains begin as their job starts: like against like.
         multi["single_model"] = alone and {"capacity": alone["capacity_at_start"],
                                            "mean_batch": alone["batches"]["mean_batch"]}
         multi["capacity_over_single_model"] = multi["capacity"] / alone["capacity_at_start"] if alone else float("nan")
-    return {"machine": machine(", ".join(sorted(set(providers)))), "models": results, "multi_model": multi}
+    providers = sorted({figures[name]["provider"] for name in args.models})
+    return {"machine": machine(", ".join(providers)), "models": results, "multi_model": multi}
 
 
 def main(argv: list[str] | None = None) -> int:
