@@ -10,8 +10,9 @@ requests), all measured in this run on this machine:
    batches of 1 and of --batch-size: the ceiling of what serving can reach. Measured three times
    beside the model's own phases (before its job starts, after the job's capacity drain, after its
    HTTP phases; the broker and the job idle), the mean the ceiling: this machine's speed drifts
-   (the CNN's raw ORT at batch 32: 1,191 to 1,519 req/s on different minutes of one day), and a
-   ceiling taken minutes away from the drain it divides was as much that drift as the job;
+   (the CNN's raw ORT at batch 32: 1,138 to 1,329 req/s within one run, 1,191 to 1,519 over two
+   days), and a ceiling taken minutes away from the drain it divides was as much that drift as the
+   job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
    on the same backlog, timed the same way as the job;
 3. the job: it starts on that backlog and drains it, timed by the result topic's end offsets
