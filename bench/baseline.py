@@ -4,12 +4,12 @@ benchmark can say what Flink, the keyed batcher and checkpoints cost (or buy) on
     python -m bench.baseline --config CONFIG --result-topic TOPIC
 
 It reads every partition of the config's input topic from the start, runs each poll's records as
-one batch with the job's session (same model, same device choice) and writes the results, in the
-job's wire format, to TOPIC, flushing them before the next poll. It runs until stopped; the
-benchmark times it by TOPIC's end offsets. It takes its partitions itself, in no consumer group:
-kafka-python 3.0.12's group consumer twice spun for good (100% CPU, in ensure_coordinator_ready,
-seen with py-spy) after draining part of a bench backlog, and one backlog read once needs no
-committed offsets.
+one batch with the job's session (same model, same device choice, runs of the job's size) and
+writes the results, in the job's wire format, to TOPIC, flushing them before the next poll. It
+runs until stopped; the benchmark times it by TOPIC's end offsets. It takes its partitions
+itself, in no consumer group: kafka-python 3.0.12's group consumer twice spun for good (100% CPU,
+in ensure_coordinator_ready, seen with py-spy) after draining part of a bench backlog, and one
+backlog read once needs no committed offsets.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ READY_LINE = "plain loop: consuming "
 
 
 def serve(config: ServingConfig, result_topic: str) -> None:
-    """Poll, decode, stack, one session.run, encode, produce, flush: forever."""
+    """Poll, decode, stack, session.run (in runs of the job's batching.run_batch_size), encode,
+    produce, flush: forever."""
     kafka = config.kafka
     session = open_session(config.model.path, config.device, config.model.threads)
     inputs = [node.name for node in session.get_inputs()]
@@ -53,7 +54,10 @@ def serve(config: ServingConfig, result_topic: str) -> None:
             continue
         messages = [decode_message(record.value, config.limits.max_instance_bytes) for record in records]
         feeds = {name: np.stack([message.tensors[name] for message in messages]) for name in inputs}
-        results = dict(zip(outputs, session.run(outputs, feeds)))
+        step = config.batching.run_batch_size or len(messages)  # the job's run size
+        runs = [session.run(outputs, {name: value[start:start + step] for name, value in feeds.items()})
+                for start in range(0, len(messages), step)]
+        results = {name: np.concatenate([run[k] for run in runs]) for k, name in enumerate(outputs)}
         for i, message in enumerate(messages):
             tensors = {name: values[i] for name, values in results.items()}
             producer.send(result_topic, key=message.uri.encode(), value=encode_message(Message(message.uri, tensors)))

@@ -61,6 +61,7 @@ def with_ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     ceiling = figures["raw_ort"][str(args.batch_size)]
     return {**figures, "ratios": {
         "capacity_over_raw_ort": figures["capacity"] / ceiling,
+        "capacity_over_raw_ort_at_run_size": figures["capacity"] / figures["raw_ort"][str(figures["run_batch_size"])],
         "serving_stage_over_raw_ort": figures["serving_stage"] / ceiling,
         "capacity_over_plain_loop": figures["capacity"] / figures["plain_loop"],
         f"http_{most}_clients_over_raw_ort": figures["http"][most]["rate"] / ceiling,
@@ -129,6 +130,9 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("raw ORT, batch 1 (req/s)", lambda m: f"{m['raw_ort']['1']:,.0f}"),
         row(f"raw ORT, batch {b} (req/s)", lambda m: (
             f"{m['raw_ort'][str(b)]:,.0f} (mean of 3: {m['raw_ort_range'][str(b)][0]:,.0f}-{m['raw_ort_range'][str(b)][1]:,.0f})")),
+        row("ONNX Runtime run size in a batch", lambda m: (
+            f"{m['run_batch_size']}" + ("" if m["run_batch_size"] == b else
+                                       f" (raw ORT at {m['run_batch_size']}: {m['raw_ort'][str(m['run_batch_size'])]:,.0f} req/s)"))),
         row("plain consumer loop (req/s)", lambda m: f"{m['plain_loop']:,.0f}"),
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,})")),
@@ -148,6 +152,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("client OutputQueue.dequeue, 1 thread", lambda m: (
             f"{m['dequeue']:,.0f} results/s ({m['dequeue'] / m['capacity']:#.3g} x job capacity)")),
         row(f"ratio job / raw ORT batch {b}", lambda m: f"{m['ratios']['capacity_over_raw_ort']:#.3g}"),
+        row("ratio job / raw ORT at its run size", lambda m: f"{m['ratios']['capacity_over_raw_ort_at_run_size']:#.3g}"),
         row("ratio job / plain loop", lambda m: f"{m['ratios']['capacity_over_plain_loop']:#.3g}"),
         row(f"ratio HTTP {plural(most, 'client')} / raw ORT batch {b}",
             lambda m: f"{m['ratios'][f'http_{most}_clients_over_raw_ort']:#.3g}"),

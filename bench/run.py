@@ -7,14 +7,16 @@ Two models, one run, one table (and with --json, the same figures as JSON):
 For each model (bench/models.py: the sample classifier, 64-byte requests; a small CNN, 48 KiB
 requests), all measured in this run on this machine:
 1. raw ONNX Runtime: a plain session (same model and device choice as the job's) fed ready
-   batches of 1 and of --batch-size: the ceiling of what serving can reach. Measured three times
+   batches of 1, of the job's run size and of --batch-size: the ceiling of what serving can reach.
+   The job runs a batch in runs of the model's run_batch_size (batching.run_batch_size; for the
+   CNN 1, at which this CPU runs it fastest per request; --run-batch-size for all). Measured three times
    beside the model's own phases (before its job starts, after the job's capacity drain, after its
    HTTP phases; the broker and the job idle), the mean the ceiling: this machine's speed drifts
    (the CNN's raw ORT at batch 32: 1,138 to 1,329 req/s within one run, 1,191 to 1,519 over two
    days), and a ceiling taken minutes away from the drain it divides was as much that drift as the
    job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
-   on the same backlog, timed the same way as the job;
+   on the same backlog, timed the same way as the job, with the job's run size;
 3. the job: it starts on that backlog and drains it, timed by the result topic's end offsets
    (read every 20 ms, so the client's own decoding speed is not in the figure; counted from the
    first reading past a warm-up share of the backlog to the last): its capacity right after start;
@@ -37,7 +39,8 @@ requests), all measured in this run on this machine:
    mlp's own drain right after start in this run (this drain too begins as its job starts). The
    job batches each model apart, so its batches stay full; a batcher that cut a batch wherever the
    model changes would serve this backlog one at a time.
-Ratios: job capacity / raw ORT at --batch-size, job capacity / plain loop, HTTP at the most clients
+Ratios: job capacity / raw ORT at --batch-size and at the job's run size (the serving path's own
+cost), job capacity / plain loop, HTTP at the most clients
 / raw ORT at --batch-size, two models / the mlp alone. In the JSON, rates are requests per second
 and latencies milliseconds.
 """
@@ -155,9 +158,9 @@ def ready_batch(session: ort.InferenceSession, batch_size: int) -> dict[str, np.
     }
 
 
-def raw_rates(session: ort.InferenceSession, batch_size: int) -> dict[str, float]:
-    """Raw ONNX Runtime at batch 1 and `batch_size`, keyed by the batch size as JSON writes it."""
-    return {str(size): raw_onnxruntime(session, size) for size in (1, batch_size)}
+def raw_rates(session: ort.InferenceSession, sizes: list[int]) -> dict[str, float]:
+    """Raw ONNX Runtime at each batch size, keyed by the size as JSON writes it."""
+    return {str(size): raw_onnxruntime(session, size) for size in sizes}
 
 
 def ceiling(measured: list[dict[str, float]]) -> dict[str, Any]:
@@ -306,12 +309,13 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                                    config.batching.batch_size)}
 
 
-def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, **sections: Any) -> ServingConfig:
+def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, run_batch_size: int = 0,
+               **sections: Any) -> ServingConfig:
     """A config of its own for one job of the run, with the run's batching, parallelism, device
     and threads (plus `sections`); written to a file for the job, returned loaded, topics created."""
     path = write_run_config(
         folder, model_path, bootstrap,
-        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms},
+        batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms, "run_batch_size": run_batch_size},
         flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads}, **sections,
     )
     config = load_config(path)
@@ -330,7 +334,8 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
                     args: argparse.Namespace) -> dict[str, Any]:
     """Phases 2 to 5 for one model against the broker at `bootstrap`; the job starts only once the
     plain loop has stopped, so neither shares the cores with the other."""
-    config = run_config(folder, model_path, bootstrap, args)
+    run_size = model.run_batch_size if args.run_batch_size is None else args.run_batch_size
+    config = run_config(folder, model_path, bootstrap, args, run_size)
     config_path = config.source
     plain_topic = f"{config.kafka.result_topic}-plain-loop"
     ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
@@ -343,8 +348,10 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
                             folder / f"plain-loop-{model.name}.log")
 
     session = open_session(model_path, args.device, args.threads)  # the job's provider choice and threads
-    progress(model.name, f"raw ONNX Runtime at batch 1 and {args.batch_size} (1 of 3) ...")
-    raw = [raw_rates(session, args.batch_size)]
+    runs_of = min(run_size or args.batch_size, args.batch_size)  # what a run of the job holds at most
+    raw_sizes = sorted({1, runs_of, args.batch_size})
+    progress(model.name, f"raw ONNX Runtime at batch {', '.join(map(str, raw_sizes))} (1 of 3) ...")
+    raw = [raw_rates(session, raw_sizes)]
     progress(model.name, "starting the job; it drains the backlog as soon as it runs ...")
     reader = ResultReader(bootstrap, config.kafka.result_topic)
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / f"job-{model.name}.log")
@@ -356,13 +363,13 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         running = [f"running-{i}" for i in range(len(backlog))]
         capacity, writer_bound = running_drain(config, reader, job, model, samples, running)
         progress(model.name, "raw ONNX Runtime (2 of 3) ...")
-        raw.append(raw_rates(session, args.batch_size))
+        raw.append(raw_rates(session, raw_sizes))
         rate = args.rate or LATENCY_LOAD * capacity
         paced_warmup, paced = paced_uris(rate, args.latency_seconds)
         latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced)
         served = http_phases(model, config_path, folder, samples, args)
         progress(model.name, "raw ONNX Runtime (3 of 3) ...")
-        raw.append(raw_rates(session, args.batch_size))
+        raw.append(raw_rates(session, raw_sizes))
     finally:
         job.stop()
         reader.close()
@@ -370,6 +377,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     sizes = [arrivals[uri].batch_size or 0 for uri in running if uri in arrivals]
     return {
         "provider": session.get_providers()[0],
+        "run_batch_size": runs_of,
         **ceiling(raw),
         "serving_stage": serving_stage_rate([arrivals[uri] for uri in running if uri in arrivals]),
         "requests": len(backlog),
@@ -501,6 +509,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parallelism", type=int, default=job.flink.parallelism)
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--run-batch-size", type=int,
+                        help="ONNX Runtime's run size within a batch (batching.run_batch_size) for the job and the "
+                             "plain loop, 0: the whole batch (default: per model, " + ", ".join(
+                                 f"{m.name} {m.run_batch_size}" for m in models.values()) + ")")
     parser.add_argument("--threads", type=int, default=job.model.threads,
                         help="ONNX Runtime's intra-op threads (model.threads) for the job, the plain loop and raw ORT")
     parser.add_argument("--bootstrap", help="a running Kafka to use instead of a local broker")

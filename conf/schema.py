@@ -121,6 +121,7 @@ class KafkaConfig(_Section):
 class BatchingConfig(_Section):
     batch_size: StrictInt = Field(ge=1, le=65536)
     max_delay_ms: StrictInt = Field(ge=0, le=60_000)
+    run_batch_size: StrictInt = Field(0, ge=0, le=65536)
 
 
 class FlinkConfig(_Section):

@@ -20,7 +20,8 @@ Feed = dict[str, np.ndarray]
 
 @dataclass
 class Rows:
-    """The results of one stacked run: row i of every output belongs to uris[i]. Kept stacked so
+    """The results of one stacked group (in one run, or runs of batching.run_batch_size): row i of
+    every output belongs to uris[i]. Kept stacked so
     that the encoder writes them without splitting them into per-request dicts."""
 
     uris: list[str]
@@ -50,9 +51,10 @@ def signature(feed: Feed) -> tuple:
     return tuple((name, value.shape, value.dtype.str) for name, value in feed.items())
 
 
-def predict(model: OnnxModel, instances: list[Message]) -> list[Outcome]:
+def predict(model: OnnxModel, instances: list[Message], run_size: int = 0) -> list[Outcome]:
     """The outcomes of a batch's requests, in no particular order. Requests in format v2 with the
-    same layout have the same names, dtypes and shapes: the first is checked for all of them."""
+    same layout have the same names, dtypes and shapes: the first is checked for all of them.
+    Those that stack run `run_size` at a time (0: all in one run; batching.run_batch_size)."""
     outcomes: list[Outcome] = []
     groups: dict[object, list[tuple[str, Feed]]] = {}
     verdicts: dict[bytes, Exception | None] = {}  # layout -> why it does not fit the model, or None
@@ -79,7 +81,7 @@ def predict(model: OnnxModel, instances: list[Message]) -> list[Outcome]:
                 casting.add(key)
         groups.setdefault(key if key is not None else signature(feed), []).append((instance.uri, feed))
     for group in groups.values():
-        outcomes.extend(_run_group(model, group))
+        outcomes.extend(_run_group(model, group, run_size))
     return outcomes
 
 
@@ -91,11 +93,11 @@ def _out_of_range(model: OnnxModel, tensors: Feed) -> Exception | None:
     return None
 
 
-def _run_group(model: OnnxModel, group: list[tuple[str, Feed]]) -> list[Outcome]:
+def _run_group(model: OnnxModel, group: list[tuple[str, Feed]], run_size: int = 0) -> list[Outcome]:
     try:
         if not model.batched:
             return [Message(uri, tensors=model.run_one(feed), batch_size=1) for uri, feed in group]
-        return [Rows([uri for uri, _ in group], model.run_stacked([feed for _, feed in group]))]
+        return [Rows([uri for uri, _ in group], model.run_stacked([feed for _, feed in group], run_size))]
     except Exception as exc:
         if len(group) > 1:
             # Find the instance that broke the run; its neighbours still get results.

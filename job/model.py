@@ -106,17 +106,26 @@ class OnnxModel:
             if spec.name in tensors and spec.dtype.kind != "O":
                 _check_range(spec, tensors[spec.name])
 
-    def run_stacked(self, feeds: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """One run of instances that share a shape signature, stacked along a new first dimension
-        and cast to the model's dtypes (a no-op for prepared ones); row i of each output belongs to
-        feeds[i]. Batched models only."""
+    def run_stacked(self, feeds: list[dict[str, np.ndarray]], run_size: int = 0) -> dict[str, np.ndarray]:
+        """Instances that share a shape signature, stacked along a new first dimension and cast
+        to the model's dtypes (a no-op for prepared ones), run `run_size` rows at a time (0: all
+        in one run); row i of each output belongs to feeds[i]. Batched models only."""
         stacked = {
             spec.name: np.stack([feed[spec.name] for feed in feeds]).astype(spec.dtype, copy=False)
             for spec in self.inputs
         }
+        step = run_size or len(feeds)
+        runs = [self._run_rows({name: value[start:start + step] for name, value in stacked.items()})
+                for start in range(0, len(feeds), step)]
+        if len(runs) == 1:
+            return runs[0]
+        return {name: np.concatenate([run[name] for run in runs]) for name in self.output_names}
+
+    def _run_rows(self, stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = len(next(iter(stacked.values())))
         outputs = self.session.run(self.output_names, stacked)
         for name, value in zip(self.output_names, outputs):
-            if value.ndim == 0 or value.shape[0] != len(feeds):
+            if value.ndim == 0 or value.shape[0] != rows:
                 raise ModelError(f"output {name!r} does not keep the batch dimension")
         return dict(zip(self.output_names, outputs))
 

@@ -88,7 +88,7 @@ class ServeBatch(MapFunction):
                 log.warning("pipeline %s: %s", served.servable.name, exc)
                 outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
         else:
-            outcomes = predict(served.models[version], ready)
+            outcomes = predict(served.models[version], ready, served.servable.batching.run_batch_size)
         if served.postprocess is not None or settings.postprocess.top_n:
             results, refused = apply_stage(served.postprocess, settings.postprocess.batched, as_messages(outcomes), "postprocess")
             errors += refused

@@ -219,7 +219,7 @@ CASES = [
     Case("start: a repository folder that is not there", (*CLI, "start", "-c", "{config}"),
          "models.repository: not a folder", lambda scene: scene.use(config=scene.config(models={"repository": "nowhere"}))),
     Case("start: a servable.yaml key that does not exist", (*CLI, "start", "-c", "{config}"),
-         "servable.yaml: batching.size: unknown key (known: batch_size, max_delay_ms)",
+         "servable.yaml: batching.size: unknown key (known: batch_size, max_delay_ms, run_batch_size)",
          lambda scene: repository(scene, servable="batching: {size: 8}")),
     Case("start: a newest version that is not ONNX", (*CLI, "start", "-c", "{config}"),
          "models.repository: model 'm' version 2: cannot load model", lambda scene: repository(scene, version=b"not onnx")),

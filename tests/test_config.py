@@ -36,6 +36,7 @@ def test_relative_paths_follow_the_config_file(tmp_path: Path) -> None:
     [
         ({"batching.batch_size": 0}, "batching.batch_size: must be between 1 and 65536, got 0"),
         ({"batching.max_delay_ms": "soon"}, "batching.max_delay_ms: must be an integer, got 'soon'"),
+        ({"batching.run_batch_size": -1}, "batching.run_batch_size: must be between 0 and 65536, got -1"),
         ({"device": "tpu"}, "device: must be one of auto, cpu, cuda, got 'tpu'"),
         ({"kafka.input_topic": ""}, "kafka.input_topic: must be a non-empty string"),
         ({"kafka.topic": "x"}, "kafka.topic: unknown key"),

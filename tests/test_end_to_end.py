@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import numpy as np
+import pytest
 from kafka import KafkaProducer
 
 from client import InputQueue, OutputQueue
@@ -16,8 +17,10 @@ from tests.conftest import assert_served
 COUNT = 2000
 
 
-def test_two_thousand_requests_match_onnxruntime(write_config, start_job) -> None:
-    path, config = write_config(batching={"batch_size": 32, "max_delay_ms": 20})
+@pytest.mark.parametrize("run_batch_size", [0, 5])
+def test_two_thousand_requests_match_onnxruntime(write_config, start_job, run_batch_size: int) -> None:
+    """Batches of up to 32 in one ONNX Runtime run each, or in runs of 5 (batching.run_batch_size)."""
+    path, config = write_config(batching={"batch_size": 32, "max_delay_ms": 20, "run_batch_size": run_batch_size})
     start_job(path, config)
     assert_served(config, COUNT, seed=42, timeout=120)
 

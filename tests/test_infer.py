@@ -45,9 +45,22 @@ def by_uri(results: list[Message]) -> dict[str, Message]:
     return {result.uri: result for result in results}
 
 
-def test_a_failing_request_does_not_fail_its_batch(lookup_model: OnnxModel) -> None:
+class RecordingSession:
+    """A real session that notes how many rows each run had."""
+
+    def __init__(self, session: object):
+        self.session, self.rows = session, []
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.rows.append(len(next(iter(feeds.values()))))
+        return self.session.run(names, feeds)
+
+
+@pytest.mark.parametrize("run_size", [0, 2])
+def test_a_failing_request_does_not_fail_its_batch(lookup_model: OnnxModel, run_size: int) -> None:
     rows = [3, 99, 0, 7]  # 99 is out of range
-    results = by_uri(as_messages(predict(lookup_model, [Message(f"r{i}", {"row": np.array(row)}) for i, row in enumerate(rows)])))
+    requests = [Message(f"r{i}", {"row": np.array(row)}) for i, row in enumerate(rows)]
+    results = by_uri(as_messages(predict(lookup_model, requests, run_size)))
     assert "inference failed" in results["r1"].error
     for i in (0, 2, 3):
         np.testing.assert_array_equal(results[f"r{i}"].tensors["values"], TABLE[rows[i]])
@@ -70,6 +83,19 @@ def test_requests_are_stacked_and_checked(lookup_model: OnnxModel) -> None:
     assert "shape (2, 2) does not fit ()" in results["matrix"].error
     assert "missing input 'row'" in results["missing"].error
     assert "unknown input 'other'" in results["extra"].error
+
+
+def test_a_batch_runs_in_runs_of_at_most_run_batch_size(lookup_path: Path) -> None:
+    model = OnnxModel(lookup_path, "cpu")
+    model.session = RecordingSession(model.session)
+    requests = [Message(f"r{i}", {"row": np.array(i % 10)}) for i in range(7)]
+    results = by_uri(as_messages(predict(model, requests, run_size=3)))
+    assert model.session.rows == [3, 3, 1]
+    for i in range(7):
+        np.testing.assert_array_equal(results[f"r{i}"].tensors["values"], TABLE[i % 10])
+        assert results[f"r{i}"].batch_size == 7  # the batch it was served in, whatever its runs
+    predict(model, requests)
+    assert model.session.rows[3:] == [7]  # run_size 0: the whole batch in one run
 
 
 def test_configured_names_must_match_the_model(lookup_path: Path) -> None:

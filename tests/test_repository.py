@@ -47,7 +47,7 @@ def test_a_broken_newest_version_leaves_the_one_before_it_serving(tmp_path: Path
 def test_scan_reads_versions_settings_defaults_and_pipelines(tmp_path: Path) -> None:
     root = repository(
         tmp_path, {"a": [1, 2], "b": [7]},
-        {"a": {"version_policy": "all", "batching": {"batch_size": 8}},
+        {"a": {"version_policy": "all", "batching": {"batch_size": 8, "run_batch_size": 2}},
          "p": {"kind": "pipeline", "steps": [{"model": "a"}, {"model": "b", "inputs": {"x": "a.y"}}]}},
     )
     (root / "a" / "notes").mkdir()  # not a version: ignored
@@ -55,8 +55,10 @@ def test_scan_reads_versions_settings_defaults_and_pipelines(tmp_path: Path) -> 
     found = checked_scan(config_for(root, {"batching.max_delay_ms": 7}, default="b"))
     assert sorted(found.servables) == ["a", "b", "p"] and found.default == "b"
     assert found.servables["a"].versions == (1, 2)
-    # batch_size from servable.yaml, max_delay_ms from the config's batching
-    assert (found.servables["a"].batching.batch_size, found.servables["a"].batching.max_delay_ms) == (8, 7)
+    # batch_size and run_batch_size from servable.yaml, max_delay_ms from the config's batching
+    batching = found.servables["a"].batching
+    assert (batching.batch_size, batching.max_delay_ms, batching.run_batch_size) == (8, 7, 2)
+    assert found.servables["b"].batching.run_batch_size == 0  # the config's default: the whole batch in one run
     assert found.servables["p"].is_pipeline and found.servables["p"].versions == (1,)
 
 
