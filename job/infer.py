@@ -21,8 +21,8 @@ Feed = dict[str, np.ndarray]
 @dataclass
 class Rows:
     """The results of one stacked group (in one run, or runs of batching.run_batch_size): row i of
-    every output belongs to uris[i]. Kept stacked so
-    that the encoder writes them without splitting them into per-request dicts."""
+    every output belongs to uris[i]. Kept stacked so that the encoder writes them without
+    splitting them into per-request dicts."""
 
     uris: list[str]
     outputs: dict[str, np.ndarray]
