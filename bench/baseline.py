@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from conf import KAFKA_RECORD_BYTES, ServingConfig, load_config
 from connectors.codec import Message, decode_message, encode_message
-from job.model import open_session
+from job.model import OnnxModel
 
 READY_LINE = "plain loop: consuming "
 
 
 def serve(config: ServingConfig, result_topic: str) -> None:
-    """Poll, decode, stack, session.run (in runs of the job's batching.run_batch_size), encode,
-    produce, flush: forever."""
+    """Poll, decode, stack and run (in runs of the job's batching.run_batch_size, as the job's
+    OnnxModel.run_stacked does), encode, produce, flush: forever."""
     kafka = config.kafka
-    session = open_session(config.model.path, config.device, config.model.threads)
-    inputs = [node.name for node in session.get_inputs()]
-    outputs = [node.name for node in session.get_outputs()]
+    model = OnnxModel(config.model.path, config.device, threads=config.model.threads)
     consumer = KafkaConsumer(
         bootstrap_servers=kafka.bootstrap_servers, auto_offset_reset="earliest", enable_auto_commit=False,
         # kafka-python's 1 MiB per partition holds only 21 requests of 48 KiB, less than a batch;
@@ -46,18 +43,14 @@ def serve(config: ServingConfig, result_topic: str) -> None:
     producer = KafkaProducer(
         bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=1, max_request_size=KAFKA_RECORD_BYTES,
     )
-    print(f"{READY_LINE}{kafka.input_topic} -> {result_topic} on {session.get_providers()[0]}", flush=True)
+    print(f"{READY_LINE}{kafka.input_topic} -> {result_topic} on {model.provider}", flush=True)
     while True:
         records = [r for batch in consumer.poll(timeout_ms=100, max_records=config.batching.batch_size).values()
                    for r in batch]
         if not records:
             continue
         messages = [decode_message(record.value, config.limits.max_instance_bytes) for record in records]
-        feeds = {name: np.stack([message.tensors[name] for message in messages]) for name in inputs}
-        step = config.batching.run_batch_size or len(messages)  # the job's run size
-        runs = [session.run(outputs, {name: value[start:start + step] for name, value in feeds.items()})
-                for start in range(0, len(messages), step)]
-        results = {name: np.concatenate([run[k] for run in runs]) for k, name in enumerate(outputs)}
+        results = model.run_stacked([message.tensors for message in messages], config.batching.run_batch_size)
         for i, message in enumerate(messages):
             tensors = {name: values[i] for name, values in results.items()}
             producer.send(result_topic, key=message.uri.encode(), value=encode_message(Message(message.uri, tensors)))
