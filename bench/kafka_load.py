@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
-from client import DeliveryError, InputQueue
-from conf import KAFKA_RECORD_BYTES
-from connectors.codec import decode_message
-from connectors.librdkafka import fetched, gc_paused, topic_partitions
+from cluster_serving.client import DeliveryError, InputQueue
+from cluster_serving.config import KAFKA_RECORD_BYTES
+from cluster_serving.wire.codec import decode_message
+from cluster_serving.kafka.librdkafka import fetched, gc_paused, topic_partitions
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from ops.sample_model import CLASSES, FEATURES, build_sample_model, save_graph
+from cluster_serving.ops.sample_model import CLASSES, FEATURES, build_sample_model, save_graph
 
 CNN_INPUT = "input"
 CNN_SHAPE = (3, 64, 64)

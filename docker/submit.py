@@ -4,7 +4,7 @@
 
 Writes the sample model into the shared volume when it holds no model, waits until a TaskManager
 has registered (the job would otherwise wait for slots with no sign of why), and runs
-`flink run --detached -py job/main.py`, unless a job named cluster-serving already runs there: a
+`flink run --detached -py cluster_serving/job/main.py`, unless a job named cluster-serving already runs there: a
 second `docker compose up` must not start a second copy. The job's own start-up checks (model, jars,
 broker reachable, topics) run inside `flink run`, and its exit code is this script's.
 """
@@ -12,18 +12,18 @@ broker reachable, topics) run inside `flink run`, and its exit code is this scri
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from conf import JOB_NAME, ServingConfig, load_config
-from connectors.flink_rest import TERMINAL_STATES, FlinkRest, FlinkRestError
-from ops.sample_model import build_sample_model
+from cluster_serving.config import JOB_NAME, ServingConfig, load_config
+from cluster_serving.net.flink_rest import TERMINAL_STATES, FlinkRest, FlinkRestError
+from cluster_serving.ops.sample_model import build_sample_model
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"
+JOB_SCRIPT = Path(importlib.util.find_spec("cluster_serving.job.main").origin)
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("config.yaml")
 
 

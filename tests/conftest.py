@@ -14,11 +14,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from client import InputQueue, OutputQueue
-from ops.children import EmbeddedJob, LocalBroker
-from ops.processes import free_port, write_run_config
-from conf import ServingConfig, load_config
-from ops.sample_model import FEATURES, build_sample_model
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.ops.children import EmbeddedJob, LocalBroker
+from cluster_serving.ops.processes import free_port, write_run_config
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 
 
 @pytest.fixture(scope="session")

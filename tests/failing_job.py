@@ -1,5 +1,5 @@
 """The serving job with an inference stage that fails once, on purpose, at its FAIL_AT_BATCH-th
-batch: the recovery test's job (`python -m tests.failing_job --config ...`).
+batch: the recovery test's cluster_serving.job (`python -m tests.failing_job --config ...`).
 
 The failure is injected here, through the job's `infer` parameter, so that the production stage
 carries no test switch.
@@ -10,11 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from conf import ServingConfig
-from job.decode import DecodedBatch
-from job.infer import Outcome
-from job.main import main
-from job.serve import ServeBatch
+from cluster_serving.config import ServingConfig
+from cluster_serving.runtime.decode import DecodedBatch
+from cluster_serving.runtime.outcomes import Outcome
+from cluster_serving.job.main import main
+from cluster_serving.job.operators import ServeBatch
 
 FAIL_AT_BATCH = 10
 FAILURE = f"failing batch {FAIL_AT_BATCH} on purpose"

@@ -23,8 +23,9 @@ from types import TracebackType
 import pyflink
 import yaml
 
-from connectors.flink_rest import FlinkRest, FlinkRestError
-from ops.processes import PROJECT_ROOT, free_port, pids_naming
+from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
+from tests.paths import PROJECT_ROOT
+from cluster_serving.ops.processes import free_port, pids_naming
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class StandaloneCluster:
         return "\n".join(tails)
 
     def submit(self, config_path: Path, timeout: float = 180.0) -> str:
-        """`flink run --detached -py job/main.py`; returns the job id. The CLI returns once the job
+        """`flink run --detached -py cluster_serving/job/main.py`; returns the job id. The CLI returns once the job
         is submitted; the job's own log lines are in its output."""
         python = sys.executable
         code, output = self._script(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from onnx import helper, save
 
-from ops.sample_model import IR_VERSION, OPSET
+from cluster_serving.ops.sample_model import IR_VERSION, OPSET
 
 ML_OPSET = 2  # ai.onnx.ml, for LabelEncoder over strings
 

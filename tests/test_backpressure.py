@@ -1,5 +1,5 @@
 """Backpressure on real parts: a slow real model, input 5x faster than it can serve (10 s here;
-`python -m bench.backpressure` runs the full 60 s), and the client's queue-full guard."""
+`python -m bench.backpressure` runs the full 60 s), and the cluster_serving.client's queue-full guard."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from bench.backpressure import raw_capacity, run, slow_model
-from client import InputQueue, OutputQueue, QueueFullError
-from ops.children import EmbeddedJob
-from ops.processes import write_run_config
-from conf import ServingConfig, load_config
-from ops.sample_model import FEATURES
+from cluster_serving.client import InputQueue, OutputQueue, QueueFullError
+from cluster_serving.ops.children import EmbeddedJob
+from cluster_serving.ops.processes import write_run_config
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.ops.sample_model import FEATURES
 
 BURST_SECONDS = 10
 FACTOR = 5

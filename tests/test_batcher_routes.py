@@ -1,4 +1,4 @@
-"""The batcher's routes: frames with a header (job/frames.py), the JVM routing table parser
+"""The batcher's routes: frames with a header (cluster_serving/runtime/frames.py), the JVM routing table parser
 (RoutingTable.java), and MicroBatchOperator in a small bounded Flink job: one batch per
 (model, version), each model's batch size and delay, control records, the first control frame."""
 
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from job.frames import (
+from cluster_serving.runtime.frames import (
     BATCH, CONTROL, NO_URI, Frame, FrameError, read_frame, write_batch_frame, write_control_frame, write_frame,
 )
 
@@ -92,7 +92,7 @@ def test_malformed_frames_raise_frame_error(frame: bytes) -> None:
 def env():
     from pyflink.datastream import StreamExecutionEnvironment
 
-    from conf.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR
+    from cluster_serving.config.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR
 
     environment = StreamExecutionEnvironment.get_execution_environment()
     environment.add_jars(*((BUILD_JARS / jar).as_uri() for jar in (*CONNECTOR_JARS, HELPER_JAR)))
@@ -178,7 +178,7 @@ def test_operator_rejects_a_malformed_table(jvm) -> None:
 def test_batches_per_route_and_control_records(env) -> None:
     from pyflink.common import Row
 
-    from job.batch import REQUEST_ROW, micro_batches
+    from cluster_serving.job.batch import REQUEST_ROW, micro_batches
 
     first = table(100, "a", ("a", 2, 60000, "1"), ("b", 3, 60000, "1"), ("c", 1, 60000, "1"), ("d", 9, 60000, "1"))
     second = table(200, "a", ("a", 1, 0, "1,2"), ("b", 3, 60000, "1"))
@@ -237,7 +237,7 @@ def test_batches_per_route_and_control_records(env) -> None:
 def test_python_table_text_parses_in_the_jvm(jvm) -> None:
     from py4j.java_gateway import get_field
 
-    from conf.repository import RoutingTable, TableEntry
+    from cluster_serving.runtime.repository import RoutingTable, TableEntry
 
     python = RoutingTable(1700000000123, "b", {"a": TableEntry(8, 5, (1, 3)), "b": TableEntry(1, 0, ())})
     parsed = jvm.RoutingTable.parse(python.text())

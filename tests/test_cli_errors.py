@@ -24,21 +24,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conf import load_config
-from connectors.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
-from ops.cli import init_folder
-from ops.instances import REGISTRY_ENV
-from ops.children import LocalBroker
-from ops.processes import PROJECT_ROOT, free_port, pids_naming, write_run_config
+from cluster_serving.config import load_config
+from cluster_serving.kafka.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
+from cluster_serving.ops.cli import init_folder
+from cluster_serving.ops.instances import REGISTRY_ENV
+from cluster_serving.ops.children import LocalBroker
+from tests.paths import PROJECT_ROOT
+from cluster_serving.ops.processes import free_port, pids_naming, write_run_config
 
 # A bound on a hang, not a speed benchmark: every cause below is local (a probe of a dead address
 # included); the rows take about 1 s each, 3 s where a listener is asked whether it speaks Kafka.
 LOCAL_S = 10.0
-CLI = ("-m", "ops.cli")
+CLI = ("-m", "cluster_serving.ops.cli")
 HOLDER = """
 import sys, time
-from conf import load_config
-from ops.instances import Instance, claim
+from cluster_serving.config import load_config
+from cluster_serving.ops.instances import Instance, claim
 broker_port = int(sys.argv[3]) if len(sys.argv) > 3 else None
 claim(Instance.of(sys.argv[2], load_config(sys.argv[1]), http=True, broker_port=broker_port))
 print("held", flush=True)
@@ -226,7 +227,7 @@ CASES = [
     Case("start: a default model the repository lacks", (*CLI, "start", "-c", "{config}"),
          "models.default: no model 'nobody'; the repository serves m",
          lambda scene: (repository(scene), scene.use(config=scene.copy(Path(scene.values["config"]), "b", models={"default": "nobody"})))),
-    Case("job alone: a stage function servable.py lacks", ("-m", "job.main", "-c", "{config}"),
+    Case("cluster_serving.job alone: a stage function servable.py lacks", ("-m", "cluster_serving.job.main", "-c", "{config}"),
          "servable.py does not exist", lambda scene: repository(scene, servable="preprocess: {function: clip}")),
     Case("start: a stage function servable.py lacks", (*CLI, "start", "-c", "{config}"),
          "servable.py does not exist", lambda scene: repository(scene, servable="preprocess: {function: clip}")),
@@ -269,14 +270,14 @@ CASES = [
     Case("http: an unreachable broker", (*CLI, "http", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
     Case("http: something else listens at the broker's address", (*CLI, "http", "-c", "{config}"),
          "no Kafka broker answered", broker_port_not_kafka),
-    Case("bridge alone: an unknown option", ("-m", "bridge.server", "--nope"), "unrecognized arguments: --nope"),
-    Case("bridge alone: a model that is not ONNX", ("-m", "bridge.server", "-c", "{config}"), "not an ONNX model", not_onnx),
-    Case("job alone: the Flink REST port taken", ("-m", "job.main", "-c", "{config}"), "flink.rest_port: 127.0.0.1:", rest_port_taken),
-    Case("job alone: an unreachable broker", ("-m", "job.main", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
-    Case("job alone: something else listens at the broker's address", ("-m", "job.main", "-c", "{config}"),
+    Case("cluster_serving.http alone: an unknown option", ("-m", "cluster_serving.http.server", "--nope"), "unrecognized arguments: --nope"),
+    Case("cluster_serving.http alone: a model that is not ONNX", ("-m", "cluster_serving.http.server", "-c", "{config}"), "not an ONNX model", not_onnx),
+    Case("cluster_serving.job alone: the Flink REST port taken", ("-m", "cluster_serving.job.main", "-c", "{config}"), "flink.rest_port: 127.0.0.1:", rest_port_taken),
+    Case("cluster_serving.job alone: an unreachable broker", ("-m", "cluster_serving.job.main", "-c", "{config}"), "no Kafka broker reachable at", unreachable_broker),
+    Case("cluster_serving.job alone: something else listens at the broker's address", ("-m", "cluster_serving.job.main", "-c", "{config}"),
          "no Kafka broker answered", broker_port_not_kafka),
-    Case("job alone: an unknown option", ("-m", "job.main", "--nope"), "unrecognized arguments: --nope"),
-    Case("job alone: no Java", ("-m", "job.main", "-c", "{config}"), "java not found", valid, no_java=True),
+    Case("cluster_serving.job alone: an unknown option", ("-m", "cluster_serving.job.main", "--nope"), "unrecognized arguments: --nope"),
+    Case("cluster_serving.job alone: no Java", ("-m", "cluster_serving.job.main", "-c", "{config}"), "java not found", valid, no_java=True),
     Case("init: a file where the folder goes", (*CLI, "init", "{config}"), "is a file", valid),
     Case("broker: the port taken", (*CLI, "broker", "--port", "{port}", "--data", "{data}"), "is in use",
          lambda scene: scene.use(port=scene.listen())),

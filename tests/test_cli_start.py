@@ -11,14 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-from ops.instances import RECORD_FILE, REGISTRY_ENV
-from ops.processes import PROJECT_ROOT
-from ops.sample_model import FEATURES
+from cluster_serving.ops.instances import RECORD_FILE, REGISTRY_ENV
+from tests.paths import PROJECT_ROOT
+from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ops.cli", *args], cwd=PROJECT_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "cluster_serving.ops.cli", *args], cwd=PROJECT_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -39,7 +39,7 @@ def test_start_status_stop(write_config, tmp_path: Path) -> None:
     # A registry of its own: `status` and `stop` without -c then mean this test's instance alone.
     env = {**os.environ, REGISTRY_ENV: str(tmp_path / "registry")}
     start = subprocess.Popen(
-        [sys.executable, "-m", "ops.cli", "start", "-c", str(path)], cwd=PROJECT_ROOT, env=env,
+        [sys.executable, "-m", "cluster_serving.ops.cli", "start", "-c", str(path)], cwd=PROJECT_ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

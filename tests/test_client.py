@@ -12,10 +12,10 @@ import pytest
 from kafka import KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from client import DeliveryError, InputQueue, OutputQueue
-from connectors.admin import topic_records
-from connectors.codec import Message, encode_message
-from connectors.inputs import encode_by_kind
+from cluster_serving.client import DeliveryError, InputQueue, OutputQueue
+from cluster_serving.kafka.admin import topic_records
+from cluster_serving.wire.codec import Message, encode_message
+from cluster_serving.wire.inputs import encode_by_kind
 from tests.conftest import collect
 
 

@@ -17,11 +17,11 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from client import InputQueue, OutputQueue
-from conf import KAFKA_RECORD_BYTES
-from connectors.admin import records_written, topic_records
-from connectors.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
-from connectors.inputs import Result, result_of
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.config import KAFKA_RECORD_BYTES
+from cluster_serving.kafka.admin import records_written, topic_records
+from cluster_serving.wire.codec import TOP_N_CLASSES, TOP_N_PROBABILITIES, Message, decode_message, encode_message
+from cluster_serving.wire.inputs import Result, result_of
 from tests.stub_http import JsonHandler
 
 X = np.arange(4, dtype=np.float32)

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from connectors.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
-from connectors.inputs import encode_alike_requests, encode_by_kind
-from connectors.wire.v1 import END_OF_STREAM, _field, _table
-from connectors.wire.v2 import V2_MAGIC
-from connectors.wire.values import NUMERIC_DTYPES
+from cluster_serving.wire.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
+from cluster_serving.wire.inputs import encode_alike_requests, encode_by_kind
+from cluster_serving.wire.v1 import END_OF_STREAM, _field, _table
+from cluster_serving.wire.v2 import V2_MAGIC
+from cluster_serving.wire.values import NUMERIC_DTYPES
 from tests.arrow_streams import one_batch_stream, write_stream
 from tests.memory import peak_rss_growth_mb
 

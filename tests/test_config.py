@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conf import ConfigError, load_config
-from ops.processes import free_port
+from cluster_serving.jvm import pipeline_jars
+from cluster_serving.config import ConfigError, load_config
+from cluster_serving.ops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,9 +21,10 @@ def test_defaults_are_complete_and_valid() -> None:
     assert config.batching.batch_size == 32
     assert config.kafka.bootstrap_servers == "127.0.0.1:9092"
     assert config.device == "auto"
-    assert [jar.name for jar in config.flink.pipeline_jars] == [
-        "flink-sql-connector-kafka.jar", "cluster-serving-flink.jar"
-    ]
+    assert config.flink.jars == ()
+    connector, helper = pipeline_jars(config.flink)  # from the per-user cache, made on first use
+    assert connector.name == "flink-sql-connector-kafka-5.0.0-2.2.jar" and connector.is_file()
+    assert helper.name.startswith("cluster-serving-flink-") and helper.is_file()
 
 
 def test_relative_paths_follow_the_config_file(tmp_path: Path) -> None:
@@ -53,7 +55,7 @@ def run_job(config: dict, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return subprocess.run(
-        [sys.executable, "-m", "job.main", "--config", str(path)],
+        [sys.executable, "-m", "cluster_serving.job.main", "--config", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conf import DEFAULT_CONFIG_PATH, ConfigError, ImageConfig, ServingConfig, defaults, load_config
+from cluster_serving.config import DEFAULT_CONFIG_PATH, ConfigError, ImageConfig, ServingConfig, defaults, load_config
 
 IMAGES = "preprocess.images"
 

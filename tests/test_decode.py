@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from pyflink.common import Row
 
-import job.decode
-from conf import LimitsConfig
-from connectors.codec import Message, encode_message
-from job.decode import decode_records, prepare_instances
-from job.preprocess import prepare_values
+import cluster_serving.runtime.decode as decoding
+from cluster_serving.config import LimitsConfig
+from cluster_serving.wire.codec import Message, encode_message
+from cluster_serving.runtime.decode import decode_records, prepare_instances
+from cluster_serving.runtime.preprocess import prepare_values
 
 LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=10_000)
 URIS = ["a", "boom", "b"]
@@ -37,8 +37,8 @@ def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
             raise RuntimeError("a bug in preprocessing")
         return prepare_values(values, images, limits)
 
-    monkeypatch.setattr(job.decode, "prepare_values", prepare)
-    with caplog.at_level(logging.WARNING, logger="job.decode"):
+    monkeypatch.setattr(decoding, "prepare_values", prepare)
+    with caplog.at_level(logging.WARNING, logger="cluster_serving.runtime.decode"):
         batch, dropped = decode_records(records(), LIMITS)
         ready, rejected = prepare_instances(batch.instances, {}, LIMITS)
     assert [message.uri for message in ready] == ["a", "b"] and dropped == 0
@@ -51,14 +51,14 @@ def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
 
 
 def test_an_unexpected_exception_reading_one_record_is_its_error_result(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = job.decode.decode_message
+    real = decoding.decode_message
 
     def decode(payload: bytes, max_bytes: int) -> Message:
         if b"boom" in payload or b"keyless" in payload:
             raise KeyError("cs.uri")
         return real(payload, max_bytes)
 
-    monkeypatch.setattr(job.decode, "decode_message", decode)
+    monkeypatch.setattr(decoding, "decode_message", decode)
     keyless = Row(None, encode_message(Message("keyless", {"x": np.zeros(1)})))
     batch, dropped = decode_records(records(keyless), LIMITS)
     assert [message.uri for message in batch.instances] == ["a", "b"]

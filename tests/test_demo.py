@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from connectors.local_broker import port_taken
-from ops.instances import RECORD_FILE, REGISTRY_ENV
+from cluster_serving.net.ports import port_taken
+from cluster_serving.ops.instances import RECORD_FILE, REGISTRY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ DEMO_PORTS = (9092, 8081, 10020)  # broker, Flink web UI, HTTP bridge
 )
 def test_demo_prints_predictions_and_cleans_up(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "ops.cli", "demo", "--no-wait", "--requests", "3", "--folder", str(tmp_path)],
+        [sys.executable, "-m", "cluster_serving.ops.cli", "demo", "--no-wait", "--requests", "3", "--folder", str(tmp_path)],
         cwd=ROOT, env={**os.environ, REGISTRY_ENV: str(tmp_path / "registry")}, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr

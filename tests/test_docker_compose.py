@@ -13,18 +13,17 @@ from types import ModuleType
 import pytest
 import yaml
 
-from ops.cli import parser as cli_parser
-from conf import load_config
-from conf.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR, PROJECT_ROOT
-from connectors.local_broker import SINGLE_NODE_SETTINGS
+from cluster_serving.ops.cli import parser as cli_parser
+from cluster_serving.config import load_config
+from cluster_serving import jvm
+from cluster_serving.ops.local_broker import SINGLE_NODE_SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict] = COMPOSE["services"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 FLINK_DOCKERFILE = ROOT / "docker" / "flink" / "Dockerfile"
-SETUP_SH = ROOT / "scripts" / "setup.sh"
-BROKER_POM = ROOT / "scripts" / "maven" / "kafka-broker.pom.xml"
+BROKER_POM = jvm.BROKER_POM
 # Where docker/flink/Dockerfile puts the repository inside the image.
 IN_IMAGE = PurePosixPath("/opt/cluster-serving")
 CONFIG_IN_IMAGE = IN_IMAGE / "docker" / "config.yaml"
@@ -145,7 +144,7 @@ def test_images_are_pinned_and_flink_matches_pyflink() -> None:
 
 
 def test_kafka_image_is_the_local_brokers_version() -> None:
-    """Compose runs the Kafka release that scripts/setup.sh fetches for the local broker."""
+    """Compose runs the Kafka release that cluster_serving.jvm fetches for the local broker."""
     kafka_tags = {image.split(":")[1] for image in image_references() if image.startswith("apache/kafka:")}
     assert kafka_tags == {local_broker_kafka_version()}
     assert SERVICES["kafka"]["image"] == f"apache/kafka:{local_broker_kafka_version()}"
@@ -159,29 +158,29 @@ def test_kafka_single_node_settings_match_the_local_broker() -> None:
     assert "share.coordinator.state.topic.replication.factor" in keys
     for key in keys:
         name = "KAFKA_" + key.upper().replace(".", "_")
-        assert name in env, f"docker-compose.yml: kafka lacks {name} (connectors/local_broker.py sets {key})"
+        assert name in env, f"docker-compose.yml: kafka lacks {name} (cluster_serving/ops/local_broker.py sets {key})"
         assert str(env[name]) == SINGLE_NODE_SETTINGS[key], name
 
 
-def test_the_image_fetches_and_compiles_against_the_connector_of_setup_sh() -> None:
-    """Same connector artifact and jar names as scripts/setup.sh, from Maven Central (no wheel)."""
-    setup_connector = re.search(r"^CONNECTOR=(\S+)$", SETUP_SH.read_text(), re.MULTILINE)
-    assert setup_connector, "scripts/setup.sh has no CONNECTOR= line"
+def test_the_image_fetches_and_compiles_against_the_connector_of_the_jvm_room() -> None:
+    """Same connector artifact and jar names as cluster_serving.jvm, from Maven Central (no wheel)."""
     steps = instructions(FLINK_DOCKERFILE)
     args = dict(arg.split("=", 1) for instruction, values in steps if instruction == "ARG" for arg in values)
-    assert args.get("KAFKA_CONNECTOR") == setup_connector.group(1)
+    assert args.get("KAFKA_CONNECTOR") == jvm.CONNECTOR
     runs = [" ".join(values) for instruction, values in steps if instruction == "RUN"]
     fetch = [run for run in runs if "dependency:copy" in run]
     assert len(fetch) == 1, fetch
     assert '-Dartifact="${KAFKA_CONNECTOR}"' in fetch[0] and "-Dmdep.stripVersion=true" in fetch[0]
-    # stripVersion: the jar is named <artifactId>.jar, which must be the jar conf/schema.py names.
-    artifact_id = setup_connector.group(1).split(":")[1]
-    assert (f"{artifact_id}.jar",) == CONNECTOR_JARS
+    # stripVersion: the jar is named <artifactId>.jar, which must be the prebuilt jar cluster_serving.jvm names.
+    assert f"{jvm.CONNECTOR.split(':')[1]}.jar" == jvm.CONNECTOR_JAR
     javac = [run for run in runs if "javac" in run]
     assert len(javac) == 1, javac
     classpath = re.search(r'-cp "([^"]+)"', javac[0]).group(1).split(":")
-    assert classpath == ["/flink-lib/*", *(f"jars/{jar}" for jar in CONNECTOR_JARS)]
-    assert f"jars/{HELPER_JAR}" in " ".join(runs)
+    assert classpath == ["/flink-lib/*", f"jars/{jvm.CONNECTOR_JAR}"]
+    assert f"jars/{jvm.HELPER_JAR}" in " ".join(runs)
+    environment = dict(value.split("=", 1) for instruction, values in steps if instruction == "ENV" for value in values)
+    copied = [values[-1].rstrip("/") for instruction, values in steps if instruction == "COPY" and "--from=jars" in values]
+    assert copied == [environment[jvm.PREBUILT_ENV]], "the image's jars are not where cluster_serving.jvm is told to look"
     text = FLINK_DOCKERFILE.read_text().lower()
     for stale in ("shigawire", "pip3 download", "flink-connector-kafka.jar", "kafka-clients.jar"):
         assert stale not in text, f"docker/flink/Dockerfile still mentions {stale}"
@@ -230,7 +229,7 @@ def test_submit_runs_the_job_script_with_the_compose_config() -> None:
     assert PurePosixPath(args.config) == CONFIG_IN_IMAGE
     flink_run = submit.flink_run_command(Path(args.config), "http://jobmanager:8081")
     assert flink_run[:5] == ["flink", "run", "-m", "jobmanager:8081", "--detached"]
-    assert Path(flink_run[flink_run.index("-py") + 1]) == ROOT / "job" / "main.py"
+    assert Path(flink_run[flink_run.index("-py") + 1]) == ROOT / "cluster_serving" / "job" / "main.py"
     assert flink_run[-2:] == ["--config", str(CONFIG_IN_IMAGE)]
 
 
@@ -247,8 +246,7 @@ def test_compose_config_loads_and_points_inside_the_deployment() -> None:
     assert config.kafka.bootstrap_servers == "kafka:9092"
     assert config.http.host == "0.0.0.0"
     assert config.http.flink_rest_url == "http://jobmanager:8081"
-    jars_in_image = IN_IMAGE / BUILD_JARS.relative_to(PROJECT_ROOT)
-    assert [PurePosixPath(jar) for jar in config.flink.jars] == [jars_in_image / jar for jar in CONNECTOR_JARS]
+    assert config.flink.jars == ()  # the image's prebuilt connector ($CLUSTER_SERVING_JARS)
     # The model and the checkpoints live in the volume that every service using them mounts.
     for name in ("submit", "taskmanager", "bridge"):
         assert f"serving:{config.model.path.parent}" in SERVICES[name]["volumes"], name

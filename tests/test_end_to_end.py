@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from kafka import KafkaProducer
 
-from client import InputQueue, OutputQueue
-from ops.processes import process_group_members
-from ops.sample_model import FEATURES
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.ops.processes import process_group_members
+from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import assert_served
 
 COUNT = 2000

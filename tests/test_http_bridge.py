@@ -24,12 +24,12 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from client import InputQueue, PredictError
-from bridge.server import listen
-from ops.children import EmbeddedJob, HttpBridge, LocalBroker
-from ops.processes import free_port, write_run_config
-from conf import load_config
-from ops.sample_model import FEATURES
+from cluster_serving.client import InputQueue, PredictError
+from cluster_serving.http.server import listen
+from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from cluster_serving.ops.processes import free_port, write_run_config
+from cluster_serving.config import load_config
+from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 TOKEN = "test-token-5f1c"

@@ -30,14 +30,14 @@ import yaml
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from onnx import TensorProto, helper, numpy_helper
 
-from bridge.catalog import Catalog
-from bridge.errors import ModelNotFound
-from bridge.model_info import repository_signatures
-from conf import JOB_NAME, ConfigError, ServingConfig, load_config
-from connectors.admin import ensure_topics
-from connectors.codec import Message, decode_message, encode_message
-from ops.children import EmbeddedJob, HttpBridge, LocalBroker
-from ops.processes import free_port, write_run_config
+from cluster_serving.http.catalog import Catalog
+from cluster_serving.http.errors import ModelNotFound
+from cluster_serving.runtime.signature import repository_signatures
+from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config
+from cluster_serving.kafka.admin import ensure_topics
+from cluster_serving.wire.codec import Message, decode_message, encode_message
+from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from cluster_serving.ops.processes import free_port, write_run_config
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
 from tests.stub_http import JsonHandler
@@ -371,7 +371,7 @@ def test_the_repository_is_checked_before_start(tmp_path: Path, sample_model: Pa
         repository_signatures(config)
 
     started = subprocess.run(
-        [sys.executable, "-m", "bridge.server", "--config", str(config_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "cluster_serving.http.server", "--config", str(config_path)], capture_output=True, text=True, timeout=120
     )
     assert started.returncode == 2
     assert started.stderr.strip().splitlines()[-1].startswith("error: models.repository: model 'beta' version 1: model.inputs")

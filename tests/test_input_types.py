@@ -17,9 +17,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from client import InputQueue, OutputQueue, SparseTensor
-from ops.processes import write_run_config
-from conf import load_config
+from cluster_serving.client import InputQueue, OutputQueue, SparseTensor
+from cluster_serving.ops.processes import write_run_config
+from cluster_serving.config import load_config
 from tests.onnx_models import graph_model
 
 WORDS = ["hello", "world", "cluster", "serving"]

@@ -18,9 +18,9 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
-from ops.children import LocalBroker
-from ops.processes import free_port, process_group_members
-from connectors.local_broker import port_taken
+from cluster_serving.ops.children import LocalBroker
+from cluster_serving.ops.processes import free_port, process_group_members
+from cluster_serving.net.ports import port_taken
 from tests.test_end_to_end import listening_addresses
 
 RECORDS = 1000
@@ -164,7 +164,7 @@ def test_a_second_member_joins_a_live_group_in_normal_time(broker: LocalBroker) 
 def test_a_taken_port_is_one_error_line(tmp_path: Path, broker: LocalBroker) -> None:
     port = broker.bootstrap_servers.rsplit(":", 1)[1]
     done = subprocess.run(
-        [sys.executable, "-m", "ops.cli", "broker", "--port", port, "--data", str(tmp_path / "kafka")],
+        [sys.executable, "-m", "cluster_serving.ops.cli", "broker", "--port", port, "--data", str(tmp_path / "kafka")],
         capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 2

@@ -16,9 +16,9 @@ import yaml
 from kafka import KafkaProducer
 from onnx import TensorProto, helper, numpy_helper
 
-from client import InputQueue, OutputQueue
-from connectors.codec import CONTROL_HEADER, Message, decode_message, encode_message
-from connectors.admin import topic_records
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.wire.codec import CONTROL_HEADER, Message, decode_message, encode_message
+from cluster_serving.kafka.admin import topic_records
 from tests.conftest import collect
 from tests.onnx_models import graph_model
 

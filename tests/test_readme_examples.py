@@ -10,7 +10,7 @@ Blocks are found by their fence: ```python blocks, and ```bash or ```sh blocks t
   the model repository DIR, which an earlier block wrote into the working folder;
 - `<!-- expect-error: MESSAGE -->`: it shows a refusal, so it must print or raise MESSAGE (a curl
   command: answer another status than 200, with MESSAGE in its error).
-The README's addresses (the default broker, topics and bridge of conf/config.yaml) are replaced by
+The README's addresses (the default broker, topics and bridge of cluster_serving/config/config.yaml) are replaced by
 the test stack's own before a block runs; Python blocks run in this process, each in a fresh
 namespace, all in one working folder, in README order.
 """
@@ -31,10 +31,11 @@ from typing import Any
 
 import pytest
 
-from client import InputQueue, OutputQueue
-from conf import defaults, load_config
-from ops.children import EmbeddedJob, HttpBridge, LocalBroker
-from ops.processes import PROJECT_ROOT, write_run_config
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.config import defaults, load_config
+from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from tests.paths import PROJECT_ROOT
+from cluster_serving.ops.processes import write_run_config
 
 README = PROJECT_ROOT / "README.md"
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")

@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from client import InputQueue, OutputQueue
-from ops.children import EmbeddedJob
-from ops.processes import write_run_config
-from conf import ServingConfig, load_config
-from ops.sample_model import FEATURES
-from connectors.admin import records_written, topic_records
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.ops.children import EmbeddedJob
+from cluster_serving.ops.processes import write_run_config
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.ops.sample_model import FEATURES
+from cluster_serving.kafka.admin import records_written, topic_records
 from tests.conftest import collect
 from tests.failing_job import FAILURE
 
@@ -104,7 +104,7 @@ def test_exactly_once_sigkill_shows_every_result_once(broker, sample_model: Path
 class StartedByCli(EmbeddedJob):
     """The job as an operator restarts it: `cluster-serving start --no-http -c CONFIG`."""
 
-    module = "ops.cli"
+    module = "cluster_serving.ops.cli"
 
     def __init__(self, config_path: Path, rest_port: int, log_path: Path):
         super().__init__(config_path, rest_port, log_path)

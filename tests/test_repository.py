@@ -1,4 +1,4 @@
-"""The model repository as read from disk (conf/repository.py): versions and policies, servable.yaml
+"""The model repository as read from disk (cluster_serving/runtime/repository.py): versions and policies, servable.yaml
 mistakes worded as one line, pipelines' steps, and the routing table's text."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conf import ConfigError, load_config
-from conf.repository import RoutingTable, VersionPolicy, checked_scan, scan
+from cluster_serving.config import ConfigError, load_config
+from cluster_serving.runtime.repository import RoutingTable, VersionPolicy, checked_scan, scan
 
 
 def repository(root: Path, layout: dict[str, list[int]], servables: dict[str, dict] | None = None) -> Path:

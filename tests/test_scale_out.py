@@ -12,9 +12,9 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
-from ops.children import HttpBridge
-from ops.processes import free_port
-from ops.sample_model import FEATURES
+from cluster_serving.ops.children import HttpBridge
+from cluster_serving.ops.processes import free_port
+from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
 REQUESTS = 2000

@@ -1,4 +1,4 @@
-"""Stage functions and pipeline steps in memory (job/stages.py, job/serve.py), without Flink: a
+"""Stage functions and pipeline steps in memory (cluster_serving/runtime/stages.py, cluster_serving/runtime/serve.py), without Flink: a
 stage's problem is its request's error result, and a pipeline step without a model open is an error
 result for the batch, never an exception that would restart the job."""
 
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import yaml
 
-from conf import load_config
-from conf.repository import RoutingTable, scan
-from connectors.codec import Message
-from job.serve import ServeBatch
-from job.servables import Served, Servables
-from job.stages import apply_stage
+from cluster_serving.config import load_config
+from cluster_serving.runtime.repository import RoutingTable, scan
+from cluster_serving.wire.codec import Message
+from cluster_serving.runtime.serve import BatchServer
+from cluster_serving.runtime.servables import Served
+from cluster_serving.runtime.stages import apply_stage
 from tests.test_many_models import scale_model
 
 
@@ -61,8 +61,7 @@ def test_a_pipeline_step_without_an_open_model_answers_errors(tmp_path: Path) ->
     (root / "chain").mkdir()
     (root / "chain" / "servable.yaml").write_text(yaml.safe_dump({"kind": "pipeline", "steps": [{"model": "scale"}]}))
     config = load_config(overrides={"models.repository": str(root)})
-    stage = ServeBatch(config)
-    stage.servables = Servables(config)  # nothing adopted: no model is open
+    stage = BatchServer(config)
     chain = Served(scan(config).servables["chain"], None, None, {})
     outcomes = stage.serve(chain, 1, [Message("u0", {"x": np.ones(4, np.float32)})])
     assert [(m.uri, m.error) for m in outcomes] == [("u0", "pipeline 'chain': model 'scale' version newest is not open")]
@@ -78,8 +77,7 @@ def test_a_pipeline_step_is_served_with_its_models_own_stages(tmp_path: Path) ->
         {"kind": "pipeline", "steps": [{"model": "scale"}, {"name": "again", "model": "scale", "inputs": {"x": "scale.y"}}]}
     ))
     config = load_config(overrides={"models.repository": str(root), "models.default": "scale"})
-    stage = ServeBatch(config)
-    stage.servables = Servables(config)
+    stage = BatchServer(config)
     stage.servables.adopt(RoutingTable.of(scan(config)))
     served, version = stage.servables.resolve("chain", "")
     [result] = stage.serve(served, version, [Message("u0", {"x": np.zeros(4, np.float32)})])

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.flink_cluster import StandaloneCluster
-from ops.children import HttpBridge
-from ops.processes import free_port
-from ops.sample_model import FEATURES
+from cluster_serving.ops.children import HttpBridge
+from cluster_serving.ops.processes import free_port
+from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
 
 log = logging.getLogger(__name__)

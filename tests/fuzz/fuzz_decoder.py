@@ -47,7 +47,7 @@ import atheris
 # The project's modules and Pillow's (pure Python plugins: PNG chunks, JPEG markers, ...) are
 # instrumented for coverage; Arrow's C++ reader is not (it is fuzzed upstream with OSS-Fuzz), which
 # is what the `message` target makes up for.
-INSTRUMENTED = ["connectors", "job", "conf", "PIL", "tests.fuzz.targets"]
+INSTRUMENTED = ["cluster_serving", "PIL", "tests.fuzz.targets"]
 
 with atheris.instrument_imports(include=INSTRUMENTED):
     from PIL import Image
@@ -110,7 +110,7 @@ def main() -> None:
     target, argv, skip = split_target(sys.argv)
     if target == "batch":
         with atheris.instrument_imports(include=INSTRUMENTED):
-            import job.decode  # noqa: F401 - pyflink comes with it; imported here to instrument
+            import cluster_serving.runtime.decode  # noqa: F401 - imported here to instrument it
     print(f"fuzz target: {target}{' (strict)' if targets.STRICT else ''}", file=sys.stderr, flush=True)
     check = targets.TARGETS[target]
     atheris.Setup(argv, skipping(check, skip))

@@ -22,7 +22,7 @@ from PIL import Image
 if __package__ in (None, ""):  # run as a script: make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from connectors.codec import EncodedImage, Message, SparseTensor, encode_message  # noqa: E402
+from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, encode_message  # noqa: E402
 from tests.arrow_streams import one_batch_stream, write_stream  # noqa: E402
 from tests.forged_images import png_header  # noqa: E402
 from tests.fuzz.targets import KEY_EMPTY, KEY_LONG, KEY_NONE, KEY_OTHER, KEY_TEXT, KEY_URI, pack_records  # noqa: E402

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
-from connectors.codec import MAX_URI_CHARS
+from cluster_serving.wire.codec import MAX_URI_CHARS
 
 
 class Reader:

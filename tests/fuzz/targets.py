@@ -41,8 +41,8 @@ from contextlib import contextmanager
 import numpy as np
 import pyarrow as pa
 
-from conf import ImageConfig, LimitsConfig, PreprocessConfig
-from connectors.codec import (
+from cluster_serving.config import ImageConfig, LimitsConfig, PreprocessConfig
+from cluster_serving.wire.codec import (
     MAX_TENSORS,
     MAX_URI_CHARS,
     DecodeError,
@@ -52,9 +52,9 @@ from connectors.codec import (
     decode_message,
     encode_message,
 )
-from job import preprocess
-from job.model import InvalidInput
-from job.preprocess import decode_image
+from cluster_serving.job import preprocess
+from cluster_serving.runtime.outcomes import InvalidInput
+from cluster_serving.runtime.preprocess import decode_image
 from tests.fuzz.streams import build_stream
 from PIL import Image
 
@@ -80,7 +80,7 @@ IMAGE_INPUT = "image"
 LIMITS = LimitsConfig(max_instance_bytes=MAX_BYTES, max_image_pixels=MAX_PIXELS)
 PREPROCESS = PreprocessConfig(images={IMAGE_INPUT: IMAGE_CONFIGS[1]})
 
-logging.getLogger("job").setLevel(logging.CRITICAL)  # decode_records warns once per bad record
+logging.getLogger("cluster_serving.runtime").setLevel(logging.CRITICAL)  # decode_records warns once per bad record
 
 
 class FuzzBug(AssertionError):
@@ -303,7 +303,7 @@ def _key(mode: int, payload: bytes | None) -> str | None:
 
 
 def check_batch(data: bytes) -> None:
-    from job.decode import decode_records, prepare_instances  # imports pyflink: only the batch target pays for it
+    from cluster_serving.runtime.decode import decode_records, prepare_instances  # imports pyflink: only the batch target pays for it
 
     records = unpack_records(data)
     if STRICT:

@@ -1,0 +1,65 @@
+"""The micro-batcher: groups requests per route (model, version) and flushes each at its model's
+`batch_size` or `max_delay_ms` (0: once the requests that have arrived are all read).
+
+It runs in the JVM (cluster_serving/jvm/java/MicroBatchOperator.java), chained to the Kafka source: a
+batcher in Python cost a Python call and a state access per request, most of the job's time, and a
+keyed one a network exchange per request. Waiting requests are operator state, so a checkpoint
+taken while a batch is filling includes them: after a restore they are flushed, never lost with
+the offsets already committed. Each batch reaches Python as one frame (cluster_serving/runtime/frames.py) of one
+route; the routing table (cluster_serving/runtime/repository.py's table text) says each model's batching, and a
+control record of the input topic carrying a newer table switches to it at that point of the log
+(a control frame tells Python). Every parallel instance batches the partitions its source reads.
+The module also holds the other side of a batch's trip through Python: the JVM splitter of its
+results, and the name the Python stages run under.
+"""
+
+from __future__ import annotations
+
+from pyflink.common import Types
+from pyflink.datastream import DataStream, StreamExecutionEnvironment
+from pyflink.java_gateway import get_gateway
+
+from cluster_serving.config import KAFKA_RECORD_BYTES
+
+# A batch is flushed early once its requests add up to this many bytes, so that one frame stays a
+# few of the largest requests (KAFKA_RECORD_BYTES each), not batch_size of them.
+MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
+FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
+# What the Kafka source emits (KeyValueDeserializationSchema.java): the key as the uri, the value,
+# the `model` and `version` headers (None when absent or empty), and whether it is a control record
+# (header `cluster-serving-control`; its payload is a routing table's text, its uri None).
+REQUEST_ROW = Types.ROW_NAMED(
+    ["uri", "payload", "model", "version", "control"],
+    [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.STRING(), Types.BOOLEAN()],
+)
+
+
+def micro_batches(requests: DataStream, table_text: str, max_batch_bytes: int = MAX_BATCH_BYTES) -> DataStream:
+    """REQUEST_ROW requests -> one frame per micro-batch of one route, a control frame first and at
+    every newer table (cluster_serving/runtime/frames.py read_frame). `table_text` is the routing table the job starts
+    with; one restored from a checkpoint wins when its generation is newer. A malformed table
+    raises here (py4j's error around the JVM's IllegalArgumentException)."""
+    batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(table_text, max_batch_bytes)
+    return DataStream(requests._j_data_stream.transform("micro-batch", FRAME.get_java_type_info(), batcher))
+
+
+def split_results(frames: DataStream, result_type: Types) -> DataStream:
+    """One frame of results per batch -> one Row(uri, payload) per result, for the Kafka sink."""
+    helper = get_gateway().jvm.clusterserving.flink
+    return DataStream(frames._j_data_stream.flatMap(helper.SplitResults(), result_type.get_java_type_info()))
+
+
+def name_python_stages(env: StreamExecutionEnvironment, first_uid: str, name: str, description: str) -> None:
+    """Names the one operator that consecutive Python stages run as. PyFlink fuses them when the
+    job is submitted (no serialization between them) into an operator named after all of them,
+    "decode, infer, encode": a long name that every metric of theirs carries in the web UI, as
+    `0.decode__infer__encode.cluster_serving.batchSize`, cut off in its metric picker. Fusing here,
+    once the whole job is wired, as submitting would (its second pass then finds nothing left to
+    fuse), gives the operator a short name for metrics and the vertex, and the stages in its
+    description, which the web UI shows with the vertex. The fused operator keeps the uid of the
+    first stage (`first_uid`), as with PyFlink's own fusing."""
+    j_env = env._j_stream_execution_environment
+    get_gateway().jvm.org.apache.flink.python.chain.PythonOperatorChainingOptimizer.apply(j_env)
+    fused = next(transformation for transformation in j_env.getTransformations() if transformation.getUid() == first_uid)
+    fused.setName(name)
+    fused.setDescription(description)

@@ -1,0 +1,109 @@
+"""Kafka wiring of the Flink job: the request source and the result sink (not named kafka.py: under
+`flink run -py cluster_serving/job/main.py` this folder comes first on the path and would hide kafka-python).
+
+Requests arrive as Row(uri, payload, model, version, control) (job.batch.REQUEST_ROW): the Kafka key
+is the uri, the value a codec message, the `model` and `version` headers name what serves it, and a
+`cluster-serving-control` header marks a routing table (cluster_serving/job/repository_watch.py). Results leave as
+Row(uri, payload). PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
+the key, so two small Java classes (cluster_serving/jvm/java, compiled by scripts/setup.sh into build/jars) do that.
+"""
+
+from __future__ import annotations
+
+from pyflink.common import Types
+from pyflink.datastream.connectors.base import DeliveryGuarantee
+from pyflink.datastream.connectors.kafka import (
+    KafkaOffsetResetStrategy,
+    KafkaOffsetsInitializer,
+    KafkaRecordSerializationSchema,
+    KafkaSink,
+    KafkaSource,
+)
+from pyflink.java_gateway import get_gateway
+
+from cluster_serving.config import KAFKA_RECORD_BYTES, KafkaConfig
+
+# Row(uri, payload): the results' element type.
+KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
+
+# New partitions of the input topic are picked up within 10 s (the connector's default: never).
+# Fetches of up to 8 MiB per partition: the default 1 MiB holds 21 requests of 48 KiB, and the
+# task thread, busy with a batch's inference, came back to a nearly empty fetch queue.
+SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.fetch.bytes": str(8 << 20)}
+# Send results at once instead of waiting to fill a batch; the load is already micro-batched.
+# Results up to the project's record limit (the producer's own default is 1 MiB); cluster_serving/runtime/encode.py
+# turns a larger one into an error result, so the sink never meets a record it must refuse.
+SINK_PROPERTIES = {"linger.ms": "1", "max.request.size": str(KAFKA_RECORD_BYTES)}
+# The logger of every Flink metric group, and the one message of it that drop_committer_gauge_warning drops.
+METRIC_GROUP_LOGGER = "org.apache.flink.metrics.MetricGroup"
+COMMITTER_GAUGE_COLLISION = r"Name collision: Group already contains a Metric with the name 'pendingCommittables'\..*"
+
+
+def request_source(kafka: KafkaConfig) -> KafkaSource:
+    """Reads Row(uri, payload) from the input topic, resuming from the group's committed offsets."""
+    jvm = get_gateway().jvm
+    builder = (
+        KafkaSource.builder()
+        .set_bootstrap_servers(kafka.bootstrap_servers)
+        .set_topics(kafka.input_topic)
+        .set_group_id(kafka.group_id)
+        .set_starting_offsets(KafkaOffsetsInitializer.committed_offsets(KafkaOffsetResetStrategy.EARLIEST))
+    )
+    for key, value in {**SOURCE_PROPERTIES, **kafka.properties}.items():
+        builder.set_property(key, value)
+    builder._j_builder.setDeserializer(jvm.clusterserving.flink.KeyValueDeserializationSchema())
+    return builder.build()
+
+
+def drop_committer_gauge_warning() -> None:
+    """Keeps the Flink log free of one warning repeated at every checkpoint. Flink 2.2.1's sink
+    committer (the Kafka sink's second operator, in both delivery modes) copies its committables
+    for each checkpoint, and the copy registers the `pendingCommittables` gauge again (FLINK-35321,
+    still so in 2.2.1): the metric group warns "Name collision" each time, while the gauge first
+    registered goes on being reported. The cause is in Flink's own operator, so this drops that one
+    message with a filter on the metric group's logger, instead of a level that would hide the
+    logger's other warnings (a collision among our own metrics, say). It acts on this JVM's
+    logging: the embedded MiniCluster's; a Flink cluster's TaskManagers keep their own log config."""
+    log4j = get_gateway().jvm.org.apache.logging.log4j
+    context = log4j.LogManager.getContext(False)
+    configuration = context.getConfiguration()
+    result = log4j.core.Filter.Result
+    drop = log4j.core.filter.RegexFilter.createFilter(COMMITTER_GAUGE_COLLISION, None, False, result.DENY, result.NEUTRAL)
+    logger = configuration.getLoggerConfig(METRIC_GROUP_LOGGER)
+    if logger.getName() == METRIC_GROUP_LOGGER:
+        logger.addFilter(drop)
+    else:  # no logger of its own yet: one that only filters, passing the rest on as before
+        logger = (
+            log4j.core.config.LoggerConfig.newBuilder().withLoggerName(METRIC_GROUP_LOGGER)
+            .withConfig(configuration).withAdditivity(True).withFilter(drop).build()
+        )
+        configuration.addLogger(METRIC_GROUP_LOGGER, logger)
+    context.updateLoggers()
+
+
+def result_sink(kafka: KafkaConfig) -> KafkaSink:
+    """Writes Row(uri, payload) to the result topic with key = uri, at least once, or exactly once
+    in transactions committed with each checkpoint (kafka.delivery)."""
+    jvm = get_gateway().jvm
+    schema = (
+        jvm.org.apache.flink.connector.kafka.sink.KafkaRecordSerializationSchema.builder()
+        .setTopic(kafka.result_topic)
+        .setKeySerializationSchema(jvm.clusterserving.flink.RowFieldSerializationSchema(0))
+        .setValueSerializationSchema(jvm.clusterserving.flink.RowFieldSerializationSchema(1))
+        .build()
+    )
+    builder = (
+        KafkaSink.builder()
+        .set_bootstrap_servers(kafka.bootstrap_servers)
+        .set_record_serializer(KafkaRecordSerializationSchema(schema))
+    )
+    properties = dict(SINK_PROPERTIES)
+    if kafka.exactly_once:
+        builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)
+        builder.set_transactional_id_prefix(kafka.transactional_id_prefix)
+        properties["transaction.timeout.ms"] = str(kafka.transaction_timeout_ms)
+    else:
+        builder.set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
+    for key, value in {**properties, **kafka.properties}.items():
+        builder.set_property(key, value)
+    return builder.build()

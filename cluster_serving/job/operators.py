@@ -1,0 +1,78 @@
+"""The job's Python operators: thin Flink MapFunctions over the runtime's decode, serve and
+encode, which count what they do in the Flink UI (`<n>.infer.cluster_serving.batchSize`)."""
+
+from __future__ import annotations
+
+import gc
+
+from pyflink.datastream import MapFunction, RuntimeContext
+
+from cluster_serving.config import LimitsConfig, ServingConfig
+from cluster_serving.runtime.decode import DecodedBatch, decode_frame
+from cluster_serving.runtime.encode import encode_outcomes
+from cluster_serving.runtime.frames import write_frame
+from cluster_serving.runtime.outcomes import Outcome
+from cluster_serving.runtime.serve import BatchServer, BatchStats
+
+
+class DecodeBatch(MapFunction):
+    """A frame from the JVM -> its decoded batch; decode errors counted."""
+
+    def __init__(self, limits: LimitsConfig):
+        self.limits = limits
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        group = runtime_context.get_metrics_group().add_group("cluster_serving")
+        self.records_in = group.counter("requests")
+        self.decode_errors = group.counter("decodeErrors")
+
+    def map(self, value: bytes) -> DecodedBatch:
+        batch = decode_frame(value, self.limits)
+        self.records_in.inc(len(batch.instances) + len(batch.rejected) + batch.dropped)
+        self.decode_errors.inc(len(batch.rejected) + batch.dropped)
+        return batch
+
+
+class ServeBatch(MapFunction):
+    """A decoded batch -> its outcomes (runtime.serve.BatchServer); batch sizes, time in serve and
+    errors counted for the job and per model and version."""
+
+    def __init__(self, config: ServingConfig):
+        self.config = config
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.server = BatchServer(self.config)
+        self.metrics = runtime_context.get_metrics_group().add_group("cluster_serving")
+        self.totals = self._meters(self.metrics)
+        self.per_version: dict[tuple[str, int], tuple] = {}
+        # What is loaded by now (Flink's, Beam's, numpy's and ONNX Runtime's modules, the models)
+        # lives as long as the job: frozen, Python's collector no longer walks it in each full
+        # collection, which paused every request in flight.
+        gc.freeze()
+
+    def map(self, value: DecodedBatch) -> list[Outcome]:
+        outcomes, stats = self.server.serve_batch(value)
+        if stats is not None:
+            self._count(stats)
+        return outcomes
+
+    @staticmethod
+    def _meters(group) -> tuple:
+        return group.distribution("batchSize"), group.distribution("inferenceTimeUs"), group.counter("inferenceErrors")
+
+    def _count(self, stats: BatchStats) -> None:
+        """The job's totals and the same per model and version (Flink UI: ...cluster_serving.model.<name>.version.<v>)."""
+        key = stats.model, stats.version
+        if key not in self.per_version:
+            self.per_version[key] = self._meters(self.metrics.add_group("model", stats.model).add_group("version", str(stats.version)))
+        for sizes, times, errors in (self.per_version[key], self.totals):
+            sizes.update(stats.size)
+            times.update(stats.elapsed_us)
+            errors.inc(stats.failed)
+
+
+class EncodeResults(MapFunction):
+    """Outcomes -> one frame of (uri, result bytes), split into Kafka records in the JVM."""
+
+    def map(self, value: list[Outcome]) -> bytes:
+        return write_frame(encode_outcomes(value))

@@ -1,0 +1,3 @@
+from cluster_serving.jvm import main
+
+main()

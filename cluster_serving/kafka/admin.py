@@ -1,0 +1,213 @@
+"""Questions to Kafka outside the data path: is the broker reachable, do the topics exist, how
+far behind is a consumer group."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import confluent_kafka
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
+from cluster_serving.kafka.librdkafka import client_settings, committed_offsets, topic_partitions
+
+log = logging.getLogger(__name__)
+
+# How result readers consume. Under kafka.delivery exactly_once it hides results of transactions
+# not committed (yet, or ever: a restart aborts them); without transactions it reads the same as
+# read_uncommitted, so readers use it whatever the job's delivery setting is.
+READ_COMMITTED = "read_committed"
+# How long the lag's questions wait for the broker's answers.
+LAG_TIMEOUT_S = 10.0
+
+
+def client_properties(kafka: KafkaConfig) -> dict[str, str]:
+    """kafka.properties in kafka-python's spelling (security.protocol -> security_protocol)."""
+    return {key.replace(".", "_"): value for key, value in kafka.properties.items()}
+
+
+# Why no broker can be used at an address (broker_problem).
+NOTHING_LISTENS = "nothing accepts connections there"
+NOT_KAFKA = "something accepts connections there, but no Kafka broker answered"
+
+
+def unreachable(bootstrap_servers: str, reason: str = NOTHING_LISTENS) -> ConfigError:
+    """The one line for a broker that cannot be reached, with what to do about it."""
+    return ConfigError(
+        f"kafka.bootstrap_servers: no Kafka broker reachable at {bootstrap_servers} ({reason}); "
+        "start one (cluster-serving broker, or start --local-broker) or fix the address"
+    )
+
+
+@contextmanager
+def quiet_kafka_logs() -> Iterator[None]:
+    """kafka-python logs every failed connection attempt at ERROR (45-121 lines while a client
+    bootstraps against a dead address); the caller's one error line says it all."""
+    logger = logging.getLogger("kafka")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def quiet_admin_client(bootstrap_servers: str, timeout_s: float, **properties: Any) -> KafkaAdminClient:
+    """An admin client that gives up after `timeout_s` (KafkaError), without kafka-python's lines
+    about each failed connection attempt."""
+    with quiet_kafka_logs():
+        return KafkaAdminClient(
+            bootstrap_servers=bootstrap_servers,
+            request_timeout_ms=int(timeout_s * 1000),
+            bootstrap_timeout_ms=int(timeout_s * 1000),
+            **properties,
+        )
+
+
+def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Mapping[str, str] | None = None) -> None:
+    """Creates the input and result topics when missing (with `topic_configs` added to their
+    settings); an unreachable broker, or a listener that is not one, is a ConfigError found in
+    seconds (broker_problem) before any Kafka client waits `timeout_s` for it."""
+    if problem := broker_problem(kafka):
+        raise unreachable(kafka.bootstrap_servers, problem)
+    try:
+        admin = quiet_admin_client(kafka.bootstrap_servers, timeout_s, **client_properties(kafka))
+    except KafkaError as exc:
+        raise unreachable(kafka.bootstrap_servers, str(exc)) from None
+    try:
+        existing = set(admin.list_topics())
+        wanted = [kafka.input_topic, kafka.result_topic]
+        # Records up to KAFKA_RECORD_BYTES, whatever the broker's own default (Kafka's is 1 MiB).
+        settings = {"max.message.bytes": str(KAFKA_RECORD_BYTES), **(topic_configs or {})}
+        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs=settings)
+                   for topic in wanted if topic not in existing]
+        if missing:
+            try:
+                admin.create_topics(missing)
+                log.info("created topics %s", ", ".join(topic.name for topic in missing))
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+def broker_reachable(bootstrap_servers: str, timeout_s: float = 1.0) -> bool:
+    """True when a TCP connection to any bootstrap address opens: a cheap liveness probe that
+    needs no Kafka client (whose bootstrap connection closes once it has the cluster's metadata)."""
+    for address in bootstrap_servers.split(","):
+        host, _, port = address.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0, **properties: Any) -> bool:
+    """True when a Kafka broker, not just any listener, answers at the address: a port in use is
+    a broker to use only if this holds (`start --local-broker` with the port taken)."""
+    try:
+        admin = quiet_admin_client(bootstrap_servers, timeout_s, **properties)
+    except KafkaError:
+        return False
+    admin.close()
+    return True
+
+
+def broker_problem(kafka: KafkaConfig) -> str | None:
+    """Why the configured broker cannot be used (None: it can), asked before anything starts: a
+    listener that is not Kafka (a web server on the port, say) passes a TCP probe, and Kafka
+    clients then retry for their whole timeout and fail with a bare KafkaTimeoutError."""
+    if not broker_reachable(kafka.bootstrap_servers):
+        return NOTHING_LISTENS
+    if not kafka_answers(kafka.bootstrap_servers, **client_properties(kafka)):
+        return NOT_KAFKA
+    return None
+
+
+def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
+    return [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+def end_offsets(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:
+    """Each partition's end offset now: where records written after this call will start."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+    try:
+        return consumer.end_offsets(_partitions(consumer, topic))
+    finally:
+        consumer.close()
+
+
+def topic_records(bootstrap_servers: str, topic: str, isolation_level: str = "read_uncommitted", *,
+                  since: dict[TopicPartition, int] | None = None, timeout_s: float = 60.0) -> list[ConsumerRecord]:
+    """Every record a reader with that isolation level sees on the topic, all partitions, from
+    `since` (end_offsets of an earlier call; None: the start) to the end offsets at this call.
+    For inspecting a topic (tests, the bench), not for serving: it holds them all in memory."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level=isolation_level)
+    try:
+        partitions = _partitions(consumer, topic)
+        consumer.assign(partitions)
+        consumer.seek_to_beginning()
+        for partition, offset in (since or {}).items():
+            consumer.seek(partition, offset)
+        ends, records = consumer.end_offsets(partitions), []
+        deadline = time.monotonic() + timeout_s  # a guard against hanging, not a measurement
+        while any(consumer.position(tp) < ends[tp] for tp in partitions) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend(batch)
+        return records
+    finally:
+        consumer.close()
+
+
+def records_written(bootstrap_servers: str, topics: list[str], **properties: Any) -> dict[str, int]:
+    """How many records each topic has had: the sum of its partitions' end offsets (one consumer)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, **properties)
+    try:
+        return {topic: sum(consumer.end_offsets(_partitions(consumer, topic)).values()) for topic in topics}
+    finally:
+        consumer.close()
+
+
+class LagProbe:
+    """Measures how many records of `topic` are not yet covered by `group_id`'s committed offsets.
+    The serving job commits on checkpoints, so this counts up to one checkpoint interval of
+    records more than the job really has left. Keeps one librdkafka consumer, which never joins
+    the group; `properties` are Kafka's dotted setting names (a producer's are ignored)."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, group_id: str, properties: Mapping[str, Any] | None = None):
+        self.topic = topic
+        self._consumer = confluent_kafka.Consumer(client_settings(
+            bootstrap_servers, properties or {}, log, "the lag is not known until one is back",
+            **{"group.id": group_id, "enable.auto.commit": False},
+        ))
+
+    def lag(self) -> int:
+        partitions = topic_partitions(self._consumer, self.topic, LAG_TIMEOUT_S)
+        if not partitions:
+            return 0
+        lag = 0
+        for partition in committed_offsets(self._consumer, partitions, LAG_TIMEOUT_S):
+            start, end = self._consumer.get_watermark_offsets(partition, timeout=LAG_TIMEOUT_S, cached=False)
+            lag += end - max(partition.offset, start)  # no commit yet: a negative offset
+        return lag
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def consumer_lag(bootstrap_servers: str, topic: str, group_id: str, properties: Mapping[str, Any] | None = None) -> int:
+    probe = LagProbe(bootstrap_servers, topic, group_id, properties)
+    try:
+        return probe.lag()
+    finally:
+        probe.close()

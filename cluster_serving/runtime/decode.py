@@ -1,0 +1,90 @@
+"""Decoding: a batch's records -> its requests, and error results for what cannot be read (bad
+bytes, a record key that is not the payload's uri). Images and sparse tensors are made arrays once
+the batch's servable is known, as its settings say (`prepare_instances`, called by serve.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from cluster_serving.config import ImageConfig, LimitsConfig
+from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
+from cluster_serving.runtime.frames import read_frame
+from cluster_serving.runtime.outcomes import error_result, reason
+from cluster_serving.runtime.preprocess import prepare_values
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodedBatch:
+    """A micro-batch after decoding: requests to run, and error results for those that cannot be;
+    or, for a control frame, the routing table's text alone."""
+
+    instances: list[Message]
+    rejected: list[Message]
+    # The route as the requests' headers named it ("": the default model, the newest version).
+    model: str = ""
+    version: str = ""
+    table: str | None = None
+    # Records without a uri to answer (logged, no result possible).
+    dropped: int = 0
+
+
+def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
+    """A frame from the JVM (frames.py) -> its decoded batch, or the routing table it carries."""
+    read = read_frame(frame)
+    if read.table is not None:
+        return DecodedBatch([], [], table=read.table)
+    batch, batch.dropped = decode_records(read.records, limits)
+    batch.model, batch.version = read.model, read.version
+    return batch
+
+
+def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig) -> tuple[DecodedBatch, int]:
+    """Returns the decoded batch and how many records were dropped for lack of a uri to answer.
+
+    Whatever one record holds, it ends up an instance, an error result or a dropped count: any
+    exception from reading it, expected or not, stays that record's problem, since one escaping
+    would restart the job and fail every other request in flight."""
+    instances: list[Message] = []
+    rejected: list[Message] = []
+    dropped = 0
+    for key, payload in records:
+        try:
+            message = decode_message(payload or b"", limits.max_instance_bytes)
+            if key is not None and key != message.uri:
+                raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
+        except Exception as exc:
+            if key and len(key) <= MAX_URI_CHARS:
+                rejected.append(error_result(key, "bad request", exc))
+            else:
+                log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), reason(exc))
+                dropped += 1
+            continue
+        instances.append(message)
+    return DecodedBatch(instances, rejected), dropped
+
+
+def prepare_instances(
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig
+) -> tuple[list[Message], list[Message]]:
+    """(instances whose values are all arrays now, error results): images decoded and sparse
+    tensors made dense. Format v2 holds dense tensors only: nothing to do. As in decode_records,
+    any exception is that request's error result."""
+    ready, rejected = [], []
+    for message in instances:
+        try:
+            if message.layout_key is None:
+                message.tensors = prepare_values(message.tensors, images, limits)
+        except Exception as exc:
+            rejected.append(error_result(message.uri, "invalid input", exc))
+            continue
+        ready.append(message)
+    return ready, rejected
+
+
+def _unusable_key(key: str | None) -> str:
+    """A record key that cannot be a result's uri (none, or over MAX_URI_CHARS), as a log line
+    shows it: like a uri, so that one grep for `uri=` finds every request's error, but short."""
+    return repr(key) if not key else f"{key[:64]!r}... ({len(key)} characters)"

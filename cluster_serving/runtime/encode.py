@@ -1,0 +1,55 @@
+"""Encoding: results -> one frame of (uri, result message bytes), split into Kafka records in the JVM."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from cluster_serving.config import KAFKA_RECORD_BYTES
+from cluster_serving.wire.codec import Message, Served, encode_message, encode_rows
+from cluster_serving.runtime.outcomes import Outcome, Rows
+
+log = logging.getLogger(__name__)
+
+
+# What a result's value may take: the record limit less room for its key (the uri) and framing.
+MAX_RESULT_BYTES = KAFKA_RECORD_BYTES - 64 * 1024
+
+
+def encode_result(result: Message) -> bytes:
+    """The result's bytes; an output the wire format cannot carry, or one too large for a Kafka
+    record (the sink would fail the job on it), becomes an error result."""
+    try:
+        payload = encode_message(result)
+    except ValueError as exc:
+        return _refused(result.uri, f"result not encodable: {exc}")
+    return _within_limit(result.uri, payload)
+
+
+def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
+    """(uri, result bytes) for every request of the batch; the rows of a stacked run are written
+    together (encode_rows), each row checked as encode_result checks one."""
+    for outcome in outcomes:
+        if not isinstance(outcome, Rows):
+            yield outcome.uri, encode_result(outcome)
+            continue
+        try:
+            payloads = encode_rows(
+                outcome.uris, outcome.outputs,
+                Served(len(outcome.uris), outcome.inference_us, outcome.model, outcome.model_version),
+            )
+        except ValueError:  # an output the format cannot carry: each request says so
+            payloads = [encode_result(message) for message in outcome.messages()]
+        for uri, payload in zip(outcome.uris, payloads):
+            yield uri, _within_limit(uri, payload)
+
+
+def _within_limit(uri: str, payload: bytes) -> bytes:
+    if len(payload) > MAX_RESULT_BYTES:
+        return _refused(uri, f"result of {len(payload)} bytes is over the limit of {MAX_RESULT_BYTES}")
+    return payload
+
+
+def _refused(uri: str, reason: str) -> bytes:
+    log.warning("uri=%s %s", uri, reason)
+    return encode_message(Message(uri, error=reason))

@@ -1,0 +1,61 @@
+"""What serving a request ends in: a result (one `Message`, or a row of a stacked run's `Rows`) or
+an error result, and the input errors that lead to one."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster_serving.wire.codec import DecodeError, Message
+
+log = logging.getLogger(__name__)
+
+
+class InvalidInput(ValueError):
+    """An instance does not fit the model: missing, unknown, mistyped or misshapen inputs."""
+
+
+@dataclass
+class Rows:
+    """The results of one stacked group (in one run, or runs of batching.run_batch_size): row i of
+    every output belongs to uris[i]. Kept stacked so that the encoder writes them without
+    splitting them into per-request dicts."""
+
+    uris: list[str]
+    outputs: dict[str, np.ndarray]
+    inference_us: int | None = None
+    model: str | None = None
+    model_version: int | None = None
+
+    def messages(self) -> list[Message]:
+        return [
+            Message(uri, {name: value[i] for name, value in self.outputs.items()}, batch_size=len(self.uris),
+                    inference_us=self.inference_us, model=self.model, model_version=self.model_version)
+            for i, uri in enumerate(self.uris)
+        ]
+
+
+Outcome = Message | Rows
+
+
+def as_messages(outcomes: list[Outcome]) -> list[Message]:
+    """One message per request: what postprocessing and tests read."""
+    return [message for outcome in outcomes for message in (outcome.messages() if isinstance(outcome, Rows) else [outcome])]
+
+
+def error_result(uri: str, kind: str, exc: Exception) -> Message:
+    """The error result for one request, logged; an exception that no check raised on purpose is a
+    bug to fix, so its traceback goes to the log too."""
+    expected = isinstance(exc, (DecodeError, InvalidInput))
+    log.warning("uri=%s %s: %s", uri, kind, reason(exc), exc_info=not expected)
+    return Message(uri=uri, error=f"{kind}: {reason(exc)}")
+
+
+def reason(exc: Exception) -> str:
+    """An exception as the client reads it: our own checks' messages as they are, any other with
+    its type, which is often all it says (a bare KeyError or MemoryError)."""
+    if isinstance(exc, (DecodeError, InvalidInput)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

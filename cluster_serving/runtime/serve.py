@@ -1,0 +1,115 @@
+"""The serving core: a micro-batch of one route -> its servable's results, without Flink.
+
+`BatchServer.serve_frame` is one batch's whole path, top to bottom: read the frame the JVM sends,
+decode its records, resolve the route to a servable and version (servables.py), make images and
+sparse tensors arrays as the servable says, run its preprocess function, its model (or its
+pipeline's steps), its postprocess function and top-N, tag every result with the model and version
+that served it, and write the results' frame. Each request's problem is its own error result; the
+batch's other requests are served. The Flink job (job/operators.py) calls the same steps one
+operator at a time, to count them in the Flink UI.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from cluster_serving.config import ServingConfig
+from cluster_serving.runtime.decode import DecodedBatch, decode_frame, prepare_instances
+from cluster_serving.runtime.encode import encode_outcomes
+from cluster_serving.runtime.frames import write_frame
+from cluster_serving.runtime.infer import predict
+from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
+from cluster_serving.runtime.postprocess import top_n
+from cluster_serving.runtime.preprocess import configure_pillow
+from cluster_serving.runtime.repository import PipelineStep, RoutingTable
+from cluster_serving.runtime.servables import RouteError, Served, Servables
+from cluster_serving.runtime.stages import apply_stage, run_pipeline
+from cluster_serving.wire.codec import Message
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchStats:
+    """What one served batch did, for metrics: its route, size, time in serve, and failures."""
+
+    model: str
+    version: int
+    size: int
+    elapsed_us: int
+    failed: int
+
+
+class BatchServer:
+    """The models one subtask serves (opened as the routing table says) and the path of a batch
+    through them."""
+
+    def __init__(self, config: ServingConfig):
+        self.config = config
+        configure_pillow(config.limits.max_image_pixels)
+        self.servables = Servables(config)
+
+    def serve_frame(self, frame: bytes) -> bytes:
+        """A frame of requests (or of a routing table) in, the frame of their results out."""
+        batch = decode_frame(frame, self.config.limits)
+        outcomes, _ = self.serve_batch(batch)
+        return write_frame(encode_outcomes(outcomes))
+
+    def serve_batch(self, batch: DecodedBatch) -> tuple[list[Outcome], BatchStats | None]:
+        """The batch's outcomes, and what it did (None when no model ran: a routing table adopted,
+        nothing readable, or a route that names no open model)."""
+        if batch.table is not None:
+            self.adopt(batch.table)
+            return [], None
+        if not batch.instances:
+            return list(batch.rejected), None
+        try:
+            served, version = self.servables.resolve(batch.model, batch.version)
+        except RouteError as exc:
+            for message in batch.instances:
+                log.warning("uri=%s %s", message.uri, exc)
+            return batch.rejected + [Message(message.uri, error=str(exc)) for message in batch.instances], None
+        started = time.perf_counter()
+        outcomes = self.serve(served, version, batch.instances)
+        elapsed_us = int((time.perf_counter() - started) * 1_000_000)
+        name = served.servable.name
+        for outcome in outcomes:
+            outcome.model, outcome.model_version = name, version
+            if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
+                outcome.inference_us = elapsed_us
+        failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
+        return batch.rejected + outcomes, BatchStats(name, version, len(batch.instances), elapsed_us, failed)
+
+    def adopt(self, text: str) -> None:
+        """Opens and closes models as a routing table's text says."""
+        try:
+            table = RoutingTable.parse(text)
+        except ValueError:
+            log.warning("a control frame without a routing table was ignored")
+            return
+        self.servables.adopt(table)
+
+    def serve(self, served: Served, version: int, instances: list[Message]) -> list[Outcome]:
+        settings = served.servable.config
+        ready, errors = prepare_instances(instances, settings.preprocess.images, self.config.limits)
+        ready, refused = apply_stage(served.preprocess, settings.preprocess.batched, ready, "preprocess")
+        errors += refused
+        if served.servable.is_pipeline:
+            try:
+                outcomes: list[Outcome] = list(run_pipeline(served.servable, self._serve_step, ready))
+            except RouteError as exc:  # a step's model has no version open
+                log.warning("pipeline %s: %s", served.servable.name, exc)
+                outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
+        else:
+            outcomes = predict(served.models[version], ready, served.servable.batching.run_batch_size)
+        if served.postprocess is not None or settings.postprocess.top_n:
+            results, refused = apply_stage(served.postprocess, settings.postprocess.batched, as_messages(outcomes), "postprocess")
+            errors += refused
+            outcomes = [top_n(message, settings.postprocess.top_n) if settings.postprocess.top_n else message for message in results]
+        return errors + outcomes
+
+    def _serve_step(self, step: PipelineStep, feeds: list[Message]) -> list[Outcome]:
+        served, version = self.servables.step(step.model, step.version)
+        return self.serve(served, version, feeds)

@@ -1,0 +1,173 @@
+"""Format version 2 (see connectors/wire): dense numeric tensors as raw bytes behind a small
+header, for the common case at a header read and a numpy view per tensor; whatever else a message
+holds goes in version 1."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cluster_serving.wire.values import MAX_TENSORS, NUMERIC_DTYPES, DecodeError, Message, Value, check_uri, parse_shape
+
+V2_MAGIC = b"CST2"  # an Arrow IPC stream starts with 0xFFFFFFFF: the two never meet
+_URI = struct.Struct("<4sH")  # the magic, the uri's length
+_LAYOUT_LENGTH = struct.Struct("<I")
+MAX_LAYOUT_BYTES = 64 * 1024
+
+class Served(NamedTuple):
+    """What a result's layout says of how it was served: the same for every row of a batch."""
+
+    batch_size: int | None = None
+    inference_us: int | None = None
+    model: str | None = None
+    model_version: int | None = None
+
+
+# numpy's one-letter type codes of the number dtypes (dtype.name is computed in Python, ~3 us).
+_CHARS = {np.dtype(name).char: name for name in NUMERIC_DTYPES} | {"l": "int64", "L": "uint64"}
+
+
+def fits(message: Message) -> bool:
+    return message.error is None and message.top_n is None and carries(message.tensors)
+
+
+def carries(tensors: dict[str, Value]) -> bool:
+    """Whether version 2 carries these values: dense arrays of number dtypes only."""
+    return all(isinstance(value, np.ndarray) and value.dtype.char in _CHARS for value in tensors.values())
+
+
+def encode(message: Message) -> bytes:
+    """The one-row case of encode_rows."""
+    rows = {name: value[np.newaxis] for name, value in message.tensors.items()}
+    served = Served(message.batch_size, message.inference_us, message.model, message.model_version)
+    return encode_rows([message.uri], rows, served)[0]
+
+
+def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served = Served()) -> list[bytes]:
+    """One message per uri, holding row i of every stacked tensor (first dimension len(uris)),
+    which `carries`: the rows share one layout and one copy of each tensor."""
+    count = len(uris)
+    arrays = [_little_endian(value) for value in tensors.values()]
+    spec = tuple((name, _CHARS[array.dtype.char], array.shape[1:]) for name, array in zip(tensors, arrays))
+    rows = [memoryview(array.reshape(-1).view(np.uint8)) for array in arrays]
+    sizes = [array.nbytes // count if count else 0 for array in arrays]
+    values = ([row[i * size:(i + 1) * size] for row, size in zip(rows, sizes)] for i in range(count))
+    return _messages(uris, _layout_tail(spec, served), values)
+
+
+def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[bytes] | None:
+    """One message per uri from its request's arrays, when every request has the first one's
+    names, and arrays of its little-endian number dtypes and shapes: they share one layout, and
+    each array is copied once (64-byte requests 0.7 us each instead of 5.6 value by value, or 3.0
+    through this function one at a time). None when they are not alike."""
+    first = requests[0] if requests else {}
+    spec = tuple((name, value.dtype, value.shape) for name, value in first.items() if isinstance(value, np.ndarray))
+    if not spec or len(spec) != len(first) or not all(dtype.char in _CHARS and dtype.str[0] in "<|" for _, dtype, _ in spec):
+        return None
+    values = []
+    for request in requests:
+        if len(request) != len(spec):
+            return None
+        parts = []
+        for name, dtype, shape in spec:
+            value = request.get(name)
+            if type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape:
+                return None
+            parts.append(value if value.flags.c_contiguous else value.tobytes())
+        values.append(parts)
+    layout_spec = tuple((name, _CHARS[dtype.char], shape) for name, dtype, shape in spec)
+    return _messages(uris, _layout_tail(layout_spec, Served()), values)
+
+
+def _messages(uris: list[str], layout_tail: bytes, values: Iterable[list[Any]]) -> list[bytes]:
+    """Each uri's message: its header, the shared layout, then its values' bytes."""
+    messages = []
+    for uri, parts in zip(uris, values):
+        key = uri.encode()
+        messages.append(b"".join([_URI.pack(V2_MAGIC, len(key)), key, layout_tail, *parts]))
+    return messages
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array, array.dtype.newbyteorder("<"), order="C")
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_tail(spec: tuple, served: Served) -> bytes:
+    """The layout JSON of a tensor spec, behind its length; cached, since a stream of messages
+    repeats a few."""
+    layout: dict = {"tensors": [[name, kind, list(shape)] for name, kind, shape in spec]}
+    for key, item in zip(Served._fields, served):
+        if item is not None:
+            layout[key] = item
+    text = json.dumps(layout, separators=(",", ":")).encode()
+    return _LAYOUT_LENGTH.pack(len(text)) + text
+
+
+def decode(payload: bytes) -> Message:
+    try:
+        _, uri_length = _URI.unpack_from(payload, 0)
+        at = _URI.size + uri_length
+        uri = str(payload[_URI.size:at], "utf-8")
+        (layout_length,) = _LAYOUT_LENGTH.unpack_from(payload, at)
+    except (struct.error, UnicodeDecodeError):
+        raise DecodeError("not a cluster-serving message: a version 2 header cut short or not UTF-8") from None
+    check_uri(uri)
+    at += _LAYOUT_LENGTH.size
+    if layout_length > MAX_LAYOUT_BYTES or at + layout_length > len(payload):
+        raise DecodeError(f"version 2 layout of {layout_length} bytes does not fit the message")
+    layout = bytes(payload[at:at + layout_length])
+    tensors, needed, served = _parse_layout(layout)
+    at += layout_length
+    if needed != len(payload) - at:
+        raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
+    values = {}
+    for name, dtype, shape, nbytes in tensors:
+        values[name] = np.frombuffer(payload, dtype, math.prod(shape), at).reshape(shape)
+        at += nbytes
+    # Positional arguments (uri, tensors, error, batch_size, inference_us, top_n, model,
+    # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
+    batch_size, inference_us, model, model_version = served
+    return Message(uri, values, None, batch_size, inference_us, None, model, model_version, layout)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int, Served]:
+    """The checked layout: (name, dtype, shape, bytes) per tensor, the bytes of all the values,
+    and what a result says of how it was served.
+    Cached (a failed parse raises and is not), so a stream of like messages parses it once."""
+    try:
+        layout = json.loads(text)
+    except ValueError:
+        raise DecodeError("version 2 layout is not JSON") from None
+    entries = layout.get("tensors") if isinstance(layout, dict) else None
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise DecodeError(f"version 2 layout must list at most {MAX_TENSORS} tensors")
+    tensors = []
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in NUMERIC_DTYPES):
+            raise DecodeError(f"version 2 tensor entry {str(entry)[:100]} is not [name, number dtype, shape]")
+        name, dtype = entry[0], np.dtype(entry[1]).newbyteorder("<")
+        shape = parse_shape(name, json.dumps(entry[2]))
+        tensors.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+    names = [name for name, *_ in tensors]
+    if len(set(names)) != len(names):
+        raise DecodeError("a tensor name appears more than once")
+    needed = sum(nbytes for *_, nbytes in tensors)
+    model = layout.get("model")
+    served = Served(
+        _layout_count(layout, "batch_size"), _layout_count(layout, "inference_us"),
+        model if isinstance(model, str) else None, _layout_count(layout, "model_version"),
+    )
+    return tensors, needed, served
+
+
+def _layout_count(layout: dict, key: str) -> int | None:
+    item = layout.get(key)
+    return item if isinstance(item, int) and not isinstance(item, bool) and 0 <= item < 2**63 else None
