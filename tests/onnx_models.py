@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from onnx import helper, save
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper, save
 
 from cluster_serving.ops.sample_model import IR_VERSION, OPSET
 
 ML_OPSET = 2  # ai.onnx.ml, for LabelEncoder over strings
 
+WIDTH = 4  # of scale_model's x and y
 Spec = tuple[str, int, list]  # name, TensorProto element type, shape after the batch dimension
 
 
@@ -26,3 +28,11 @@ def graph_model(path: Path, inputs: list[Spec], nodes: list, outputs: list[Spec]
     model.ir_version = IR_VERSION
     save(model, str(path))
     return path
+
+
+def scale_model(path: Path, factor: float) -> Path:
+    """y = factor * x: versions differ by their factor, so a result names the version that made it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.array(factor, np.float32), "factor")
+    node = helper.make_node("Mul", ["x", "factor"], ["y"])
+    return graph_model(path, [("x", TensorProto.FLOAT, [WIDTH])], [node], [("y", TensorProto.FLOAT, [WIDTH])], (weight,))

@@ -20,18 +20,7 @@ from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.wire.codec import CONTROL_HEADER, Message, decode_message, encode_message
 from cluster_serving.kafka.admin import topic_records
 from tests.conftest import collect
-from tests.onnx_models import graph_model
-
-WIDTH = 4
-
-
-def scale_model(path: Path, factor: float) -> Path:
-    """y = factor * x: versions differ by their factor, so a result names the version that made it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    weight = numpy_helper.from_array(np.array(factor, np.float32), "factor")
-    node = helper.make_node("Mul", ["x", "factor"], ["y"])
-    return graph_model(path, [("x", TensorProto.FLOAT, [WIDTH])], [node], [("y", TensorProto.FLOAT, [WIDTH])], (weight,))
-
+from tests.onnx_models import WIDTH, graph_model, scale_model
 
 def total_model(path: Path) -> Path:
     """total = x @ [1, 2, 3, 4]: one number per instance."""

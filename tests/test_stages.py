@@ -16,7 +16,7 @@ from cluster_serving.wire.codec import Message
 from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.runtime.servables import Served
 from cluster_serving.runtime.stages import apply_stage
-from tests.test_many_models import scale_model
+from tests.onnx_models import scale_model
 
 
 def messages(*values: float) -> list[Message]:

@@ -7,6 +7,8 @@
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
     cluster-serving stop [-c CONFIG]           stops what `start` or `demo` started (final savepoint first)
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
+    cluster-serving cluster up|submit|status|down
+                                               a local standalone Flink cluster, and the job on it
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
 
@@ -27,15 +29,20 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster_serving.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from cluster_serving.config.command_line import OneLineParser
+from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.local_broker import BrokerError
 from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from cluster_serving.ops.demo import run_demo
 from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
 from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
 from cluster_serving.ops.sample_model import build_sample_model
+
+if TYPE_CHECKING:
+    from cluster_serving.ops.cluster import StandaloneCluster
 
 # What a user can get wrong, each said in one line (OSError: a folder or file that cannot be written).
 USER_ERRORS = (ConfigError, BrokerError, RuntimeError, OSError)
@@ -69,6 +76,49 @@ def cmd_broker(args: argparse.Namespace) -> int:
     argv = ["--port", str(args.port), "--data", args.data, *(["--fresh"] if args.fresh else [])]
     argv += [item for topic in args.topic for item in ("--topic", topic)]
     return broker_main(argv)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """A local standalone Flink cluster from the installed PyFlink, and the job submitted to it
+    with `flink run -py`, as one submits to any Flink cluster."""
+    from cluster_serving.ops.cluster import JOB_SCRIPT, StandaloneCluster
+
+    folder = Path(args.dir)
+    if args.action == "up":
+        if port_taken("127.0.0.1", args.rest_port):
+            raise ConfigError(f"--rest-port: 127.0.0.1:{args.rest_port} is in use; stop what listens there or pick another port")
+        cluster = StandaloneCluster(args.rest_port, folder, args.task_slots, taskmanagers=args.taskmanagers)
+        cluster.start()
+        print(f"Flink cluster up: {args.taskmanagers} TaskManager(s) x {args.task_slots} slots; web UI {cluster.web_ui}; logs in {cluster.log_dir}")
+        print(f"next: cluster-serving cluster submit -c CONFIG --dir {folder}  (runs flink run -py {JOB_SCRIPT})")
+        return 0
+    cluster = StandaloneCluster.of_folder(folder)
+    if args.action == "submit":
+        config_path = Path(args.config).resolve() if args.config else DEFAULT_CONFIG_PATH
+        job_id = cluster.submit(config_path)
+        cluster.rest.wait_until_running(job_id, timeout_s=120)
+        print(f"job {job_id} running on {cluster.web_ui}")
+        return 0
+    if args.action == "down":
+        cluster.stop()
+        print(f"Flink cluster of {folder} stopped")
+        return 0
+    return cluster_status(cluster)
+
+
+def cluster_status(cluster: StandaloneCluster) -> int:
+    """One line for the cluster, one per job; exit 3 when it does not answer."""
+    try:
+        overview = cluster.rest.get("/overview")
+        jobs = cluster.rest.jobs()
+    except OSError as exc:
+        print(f"Flink cluster of {cluster.work_dir}: not answering ({exc})")
+        return 3
+    print(f"Flink cluster of {cluster.work_dir}: {overview['taskmanagers']} TaskManager(s), "
+          f"{overview['slots-available']} of {overview['slots-total']} slots free; web UI {cluster.web_ui}")
+    for job in jobs:
+        print(f"  job {job['jid']} {job['name']}: {job['state']}")
+    return 0
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -216,6 +266,14 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--folder", default="run/demo", help="where the demo's config, model, logs and broker data go")
     demo.add_argument("--requests", type=int, default=8, help="sample requests sent through the client library")
     demo.add_argument("--no-wait", action="store_true", help="stop after printing the predictions")
+
+    cluster = command("cluster", "a local standalone Flink cluster: up, submit the job, status, down", cmd_cluster)
+    cluster.add_argument("action", choices=["up", "submit", "status", "down"])
+    cluster.add_argument("--dir", default="run/flink", help="the cluster's folder: its conf/, lib/, log/ and pid/")
+    cluster.add_argument("--config", "-c", help="submit: the job's config (default: cluster_serving/config/config.yaml's defaults)")
+    cluster.add_argument("--taskmanagers", type=int, default=1, help="up: how many TaskManagers")
+    cluster.add_argument("--task-slots", type=int, default=2, help="up: slots per TaskManager")
+    cluster.add_argument("--rest-port", type=int, default=8081, help="up: the web UI and REST API's port on 127.0.0.1")
 
     # Listed for --help only: main() hands `bench ...` to bench.run with all its options.
     commands.add_parser("bench", help="end-to-end benchmark; its options: cluster-serving bench --help")

@@ -108,6 +108,12 @@ def write_frame(records: Iterable[tuple[str, bytes]]) -> bytes:
     return b"".join(parts)
 
 
+def read_result_frame(frame: bytes) -> list[Record]:
+    """The (uri, result payload) records of a results frame (for tests and tools; the JVM splits
+    these into Kafka records)."""
+    return _read_records(frame, memoryview(frame), 0)
+
+
 def write_batch_frame(model: str, version: str, records: Iterable[tuple[str | None, bytes]]) -> bytes:
     """A batch frame as the JVM writes it (for tests and tools; the job reads these, never writes them)."""
     return _with_header("B" + model + "\t" + version, records)

@@ -5,9 +5,9 @@ exactly what counts as a bug for each):
     decoder  connectors.codec.decode_message(payload, 1 MiB): raw bytes as they come off Kafka
     message  the same decoder, on Arrow streams built from the input (metadata, column types,
              offsets, nulls, batches, LZ4/ZSTD), to get past the IPC framing more often
-    image    job.preprocess.decode_image(name, data, config, 4096) for three ImageConfigs
+    image    cluster_serving.runtime.preprocess.decode_image(name, data, config, 4096) for three ImageConfigs
              (the default; resize + CHW + float32 normalised; grayscale float16)
-    batch    job.decode.decode_records(records, limits, preprocess): must never raise
+    batch    cluster_serving.runtime.decode.decode_records(records, limits, preprocess): must never raise
 
 Run one (one process: the machine has other work; `-fork`/`-jobs` would start more):
 

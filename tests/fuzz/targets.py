@@ -52,7 +52,7 @@ from cluster_serving.wire.codec import (
     decode_message,
     encode_message,
 )
-from cluster_serving.job import preprocess
+from cluster_serving.runtime import preprocess
 from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.runtime.preprocess import decode_image
 from tests.fuzz.streams import build_stream

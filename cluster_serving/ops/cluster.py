@@ -1,17 +1,16 @@
-"""A local standalone Flink cluster (one JobManager, one TaskManager) run from the pip-installed
-PyFlink, for submitting the serving job with `flink run -py` as one would to a real cluster.
+"""A local standalone Flink cluster (one JobManager, N TaskManagers) run from the pip-installed
+PyFlink, for submitting the serving job with `flink run -py` as one would to a real cluster:
+`cluster-serving cluster up | submit | status | down`.
 
-Everything the cluster writes lives in `work_dir`: its conf/ (config.yaml bound to 127.0.0.1,
-the log4j files), log/, pid/ and lib/. PyFlink's own directories are only read.
+Everything the cluster writes lives in its folder: conf/ (config.yaml bound to 127.0.0.1, the
+log4j files, the workers), log/, pid/ and lib/. PyFlink's own directories are only read.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -24,13 +23,14 @@ import pyflink
 import yaml
 
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
-from tests.paths import PROJECT_ROOT
+from cluster_serving.config import ConfigError
 from cluster_serving.ops.processes import free_port, pids_naming
 
 log = logging.getLogger(__name__)
 
 PYFLINK_HOME = Path(pyflink.__file__).resolve().parent
-JOB_SCRIPT = PROJECT_ROOT / "job" / "main.py"
+# What `flink run -py` runs: the job module of this installed package.
+JOB_SCRIPT = Path(__file__).resolve().parents[1] / "job" / "main.py"
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_ID_PATTERN = re.compile(r"JobID ([0-9a-f]{32})|job ([0-9a-f]{32}) submitted")
 
@@ -74,16 +74,26 @@ class StandaloneCluster:
     FLINK_CONF_DIR and FLINK_LIB_DIR, plus `flink run -py` submission of the serving job; `rest`
     asks its JobManager (wait for a job, cancel it)."""
 
-    def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2, rpc_port: int = 0):
+    def __init__(self, rest_port: int, work_dir: Path, task_slots: int = 2, rpc_port: int = 0, taskmanagers: int = 1):
         self.rest_port = rest_port
         self.work_dir = Path(work_dir).resolve()
         self.task_slots = task_slots
+        self.taskmanagers = taskmanagers
         self.rpc_port = rpc_port  # 0: a free port, chosen when conf/ is written
         self.conf_dir = self.work_dir / "conf"
         self.lib_dir = self.work_dir / "lib"
         self.log_dir = self.work_dir / "log"
         self.pid_dir = self.work_dir / "pid"
         self.rest = FlinkRest(f"http://127.0.0.1:{rest_port}")
+
+    @classmethod
+    def of_folder(cls, work_dir: Path) -> StandaloneCluster:
+        """The cluster whose conf/ a former `up` wrote in `work_dir`."""
+        conf = Path(work_dir) / "conf" / "config.yaml"
+        if not conf.is_file():
+            raise ConfigError(f"no Flink cluster in {work_dir} (no conf/config.yaml); start one: cluster-serving cluster up --dir {work_dir}")
+        settings = yaml.safe_load(conf.read_text())
+        return cls(settings["rest"]["port"], work_dir, settings["taskmanager"]["numberOfTaskSlots"], settings["jobmanager"]["rpc"]["port"])
 
     @property
     def web_ui(self) -> str:
@@ -101,7 +111,7 @@ class StandaloneCluster:
         rpc_port = self.rpc_port or free_port()
         config = cluster_config(self.rest_port, rpc_port, self.work_dir, self.task_slots)
         (self.conf_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        (self.conf_dir / "workers").write_text("127.0.0.1\n")
+        (self.conf_dir / "workers").write_text("127.0.0.1\n" * self.taskmanagers)
         (self.conf_dir / "masters").write_text(f"127.0.0.1:{self.rest_port}\n")
         jars = [*PYFLINK_HOME.joinpath("lib").glob("*.jar"), *PYFLINK_HOME.joinpath("opt").glob("flink-python-*.jar")]
         for old in self.lib_dir.glob("*.jar"):
@@ -142,7 +152,9 @@ class StandaloneCluster:
         return process.returncode, output
 
     def start(self, timeout: float = 90.0) -> None:
-        """Starts the JobManager and the TaskManager; returns once a TaskManager registered."""
+        """Starts the JobManager and the TaskManagers; returns once they all registered."""
+        if self.processes():
+            raise ConfigError(f"a Flink cluster already runs from {self.work_dir}; stop it first: cluster-serving cluster down --dir {self.work_dir}")
         self.prepare()
         started = time.monotonic()
         try:
@@ -158,7 +170,7 @@ class StandaloneCluster:
     def _wait_for_taskmanager(self, deadline: float) -> None:
         while time.monotonic() < deadline:
             try:
-                if self.rest.taskmanagers() >= 1:
+                if self.rest.taskmanagers() >= self.taskmanagers:
                     return
             except FlinkRestError:
                 pass
@@ -192,7 +204,7 @@ class StandaloneCluster:
         )
         match = JOB_ID_PATTERN.search(output)
         if code != 0 or match is None:
-            raise RuntimeError(f"flink run failed ({code}):\n{output}")
+            raise RuntimeError(f"flink run failed ({code}): {_last_error(output)}")
         job_id = match.group(1) or match.group(2)
         log.info("job %s submitted to %s", job_id, self.web_ui)
         return job_id
@@ -220,23 +232,9 @@ class StandaloneCluster:
         self.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Writes a cluster's conf/ and lib/ and prints the shell lines that point PyFlink's
-    start-cluster.sh, flink and stop-cluster.sh at them: `eval "$(python -m tests.flink_cluster DIR)"`."""
-    parser = argparse.ArgumentParser(prog="python -m tests.flink_cluster", description=main.__doc__)
-    parser.add_argument("dir", type=Path, help="the cluster's folder (conf/, lib/, log/, pid/)")
-    parser.add_argument("--rest-port", type=int, default=8081, help="web UI and REST API (default 8081)")
-    parser.add_argument("--rpc-port", type=int, default=6123, help="JobManager RPC (default 6123)")
-    parser.add_argument("--task-slots", type=int, default=2)
-    args = parser.parse_args(argv)
-    cluster = StandaloneCluster(args.rest_port, args.dir, args.task_slots, args.rpc_port)
-    cluster.prepare()
-    for key, value in cluster.variables().items():
-        print(f"export {key}={shlex.quote(value)}")
-    print(f'export PATH={shlex.quote(VENV_BIN)}:"$PATH"')
-    print(f"PYFLINK_BIN={shlex.quote(str(PYFLINK_HOME / 'bin'))}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def _last_error(output: str) -> str:
+    """The line of `flink run`'s output that says what failed: the job's own `error:` line when
+    its start-up checks refused, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1].removeprefix("error: ")
