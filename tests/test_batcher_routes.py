@@ -92,10 +92,11 @@ def test_malformed_frames_raise_frame_error(frame: bytes) -> None:
 def env():
     from pyflink.datastream import StreamExecutionEnvironment
 
-    from cluster_serving.config.schema import BUILD_JARS, CONNECTOR_JARS, HELPER_JAR
+    from cluster_serving.config import defaults
+    from cluster_serving.jvm import pipeline_jars
 
     environment = StreamExecutionEnvironment.get_execution_environment()
-    environment.add_jars(*((BUILD_JARS / jar).as_uri() for jar in (*CONNECTOR_JARS, HELPER_JAR)))
+    environment.add_jars(*(jar.as_uri() for jar in pipeline_jars(defaults().flink)))
     environment.set_parallelism(1)
     return environment
 

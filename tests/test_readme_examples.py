@@ -1,5 +1,5 @@
-"""Every Python and curl example in README.md, run as written against a running stack: a local
-broker, an embedded job and the HTTP bridge. A user copies these blocks; one that stopped working
+"""Every Python and curl example in README.md and the docs pages (in the site's order), run as
+written against a running stack: a local broker, an embedded job and the HTTP bridge. A user copies these blocks; one that stopped working
 (an undefined name, a missing file, a placeholder, a promise the code no longer keeps) fails here.
 
 Blocks are found by their fence: ```python blocks, and ```bash or ```sh blocks that start with
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.config import defaults, load_config
@@ -38,6 +39,8 @@ from tests.paths import PROJECT_ROOT
 from cluster_serving.ops.processes import write_run_config
 
 README = PROJECT_ROOT / "README.md"
+# The docs pages in the order of the site's navigation: a page's blocks may use files an earlier one wrote.
+PAGES = [README, *(PROJECT_ROOT / "docs" / next(iter(entry.values())) for entry in yaml.safe_load((PROJECT_ROOT / "mkdocs.yml").read_text())["nav"])]
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<language>\w*)\s*$")
 MARK = re.compile(r"^\s*<!--\s*(?P<key>[\w-]+)(?::\s*(?P<value>.*?))?\s*-->\s*$")
 CURL_TIMEOUT_S = 60
@@ -51,13 +54,18 @@ class Block:
     code: str
     line: int  # of the opening fence, 1-based
     marks: dict[str, str] = field(default_factory=dict)
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
     @property
     def runnable(self) -> bool:
         return self.language == "python" or (self.language in ("bash", "sh") and self.code.lstrip().startswith("curl"))
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     """The fenced blocks of a markdown text, indented ones (inside list items) included, each with
     the marks of the comment lines right above its fence."""
     lines, blocks, at = text.splitlines(), [], 0
@@ -70,7 +78,7 @@ def readme_blocks(text: str) -> list[Block]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         code = "\n".join(line[len(indent):] for line in lines[at + 1:end]) + "\n"
-        blocks.append(Block(opening["language"], code, at + 1, _marks(lines, at)))
+        blocks.append(Block(opening["language"], code, at + 1, _marks(lines, at), page))
         at = end + 1
     return blocks
 
@@ -83,7 +91,9 @@ def _marks(lines: list[str], fence: int) -> dict[str, str]:
     return marks
 
 
-BLOCKS = [block for block in readme_blocks(README.read_text()) if block.runnable]
+BLOCKS = [
+    block for path in PAGES for block in readme_blocks(path.read_text(), str(path.relative_to(PROJECT_ROOT))) if block.runnable
+]
 
 
 @dataclass(frozen=True)
@@ -164,9 +174,9 @@ def test_the_readme_has_python_and_curl_examples() -> None:
     assert any("expect-error" in block.marks for block in BLOCKS)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"line-{block.line}-{block.language}" for block in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{block.page}-{block.line}-{block.language}" for block in BLOCKS])
 def test_readme_block_runs_as_written(block: Block, stacks: Stacks) -> None:
-    assert not placeholders(block), f"README.md:{block.line} holds a '...' placeholder: {placeholders(block)}"
+    assert not placeholders(block), f"{block.where} holds a '...' placeholder: {placeholders(block)}"
     code = stacks.for_block(block).rewrite(block.code)
     expected = block.marks.get("expect-error")
     if block.language == "python":
@@ -193,20 +203,20 @@ def run_python(block: Block, code: str, folder: Path, expected: str | None) -> N
     raised: Exception | None = None
     try:
         with contextlib.chdir(folder), contextlib.redirect_stdout(printed):
-            exec(compile(code, f"README.md:{block.line}", "exec"), namespace)
+            exec(compile(code, block.where, "exec"), namespace)
     except Exception as exc:  # the block's own failure: what an expect-error block may show
         raised = exc
     finally:
         close_queues(namespace)
     output = printed.getvalue()
     if expected is not None:
-        assert expected in f"{output}\n{raised}", f"README.md:{block.line} should show {expected!r}; printed {output!r}, raised {raised!r}"
+        assert expected in f"{output}\n{raised}", f"{block.where} should show {expected!r}; printed {output!r}, raised {raised!r}"
         return
     if raised is not None:
         raise raised
-    assert "'error'" not in output, f"README.md:{block.line} printed an error result: {output}"
+    assert "'error'" not in output, f"{block.where} printed an error result: {output}"
     unserved = {name: value for name, value in namespace.items() if not name.startswith("__") and not served(value)}
-    assert not unserved, f"README.md:{block.line} left results missing or failed: {unserved}"
+    assert not unserved, f"{block.where} left results missing or failed: {unserved}"
 
 
 def served(value: Any) -> bool:
@@ -234,16 +244,16 @@ def curl_commands(code: str) -> list[list[str]]:
 def run_curl(block: Block, args: list[str], expected: str | None) -> None:
     """Runs one curl command; it must answer 200 with JSON that is no error, or, with `expected`,
     another status with an error that says it."""
-    assert args[0] == "curl", f"README.md:{block.line}: only curl commands run here, not {args[0]}"
+    assert args[0] == "curl", f"{block.where}: only curl commands run here, not {args[0]}"
     completed = subprocess.run(
         [*args, "--silent", "--show-error", "--write-out", "\n%{http_code}"],
         capture_output=True, text=True, timeout=CURL_TIMEOUT_S, check=False,
     )
-    assert completed.returncode == 0, f"README.md:{block.line}: curl failed: {completed.stderr}"
+    assert completed.returncode == 0, f"{block.where}: curl failed: {completed.stderr}"
     text, _, status = completed.stdout.rpartition("\n")
     body = json.loads(text)
     error = body.get("error") if isinstance(body, dict) else None
     if expected is not None:
         assert status != "200" and error is not None and expected in error, (status, body)
     else:
-        assert status == "200" and error is None, f"README.md:{block.line}: {shlex.join(args)} -> {status} {text[:500]}"
+        assert status == "200" and error is None, f"{block.where}: {shlex.join(args)} -> {status} {text[:500]}"
