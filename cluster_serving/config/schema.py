@@ -6,7 +6,7 @@ key, instead of a Java stack trace minutes later.
 
 pydantic checks the values the models below declare. The module is longer than the models alone
 would be because of two things pydantic does not do: overlaying YAML files, and wording its first
-error the way the README and users' scripts quote it (both bounds of a range, the choices bare).
+error the way the docs and users' scripts quote it (both bounds of a range, the choices bare).
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ MUST_BE = {
 def _one_line(exc: ValidationError, root: type[BaseModel] | None = None) -> ConfigError:
     """pydantic's first error (a typo before any value) as `dotted.key: problem`.
 
-    pydantic names one bound of a range and quotes the choices; the README and users' scripts
+    pydantic names one bound of a range and quotes the choices; the docs and users' scripts
     match on both bounds and the bare choices, so those come from the declaration. A list index
     is no part of the key (model.inputs, not model.inputs.0)."""
     error = min(exc.errors(), key=lambda item: item["type"] != "extra_forbidden")

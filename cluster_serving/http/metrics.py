@@ -25,7 +25,7 @@ import warnings
 from contextlib import AbstractContextManager
 from typing import Any
 
-# pyformance 0.4 (unmaintained, see README) imports the deprecated pkg_resources at import time.
+# pyformance 0.4 (unmaintained, see docs/development.md) imports the deprecated pkg_resources at import time.
 warnings.filterwarnings("ignore", message=".*pkg_resources")
 from pyformance.meters import Counter, Timer  # noqa: E402
 

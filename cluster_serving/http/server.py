@@ -34,7 +34,7 @@ READY_LINE = "http bridge listening on "
 
 
 def json_error_protocol(metrics: BridgeMetrics) -> type[HttpToolsProtocol]:
-    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, in C: 100 us less per request than the pure
+    """uvicorn's HTTP/1.1 protocol on httptools (llhttp, in C, cheaper per request than the pure
     Python h11), answering a request it cannot parse (a malformed request line, header or
     Content-Length), before any app sees it, in the bridge's JSON error shape and counted like every
     other response; uvicorn's own answer is plain text."""
@@ -113,8 +113,7 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
     try:
         server = uvicorn.Server(server_config(bridge))
         # What exists now (modules, the app, the Kafka clients) lives as long as the process: out of
-        # the collector's sight, a full collection no longer walks its 100,000 objects (68 ms, a
-        # stall of every waiting request, about once a second under load).
+        # the collector's sight, a full collection no longer walks it, a stall of every waiting request.
         gc.freeze()
         host, port = listener.getsockname()[:2]
         log.info(

@@ -3,10 +3,8 @@ start-up checks use kafka-python.
 
 The bridge produces one record per request and reads one result per request, as they come, for
 every client of the HTTP API at once, in the process that also parses their HTTP. kafka-python
-does a produce request's work in Python, under the GIL the event loop needs: with 32 clients
-sending the CNN's 48 KiB requests (2-core development machine), the bridge used 0.76 ms of CPU
-per request with kafka-python's producer and 0.32 with librdkafka's, and served 495 against 605
-req/s; with the MLP's /predict, 0.26 against 0.18 ms and 1,853 against 2,349 req/s.
+does a produce request's work in Python, under the GIL the event loop needs; librdkafka does it in
+C (docs/development.md, "Dependencies", has the figures).
 
 `kafka.properties` go to librdkafka as they are written (Kafka's dotted names, which librdkafka
 shares for the usual security settings: security.protocol, sasl.mechanism, sasl.username, ...).

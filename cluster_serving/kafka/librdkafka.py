@@ -60,10 +60,7 @@ def fetched(consumer: Consumer, wait_s: float) -> list[Message]:
 def gc_paused() -> Iterator[None]:
     """No garbage collection while records are read in bulk and kept: a full collection walks every
     object kept so far, hundreds of thousands of results after a drain, and reading makes no
-    cycles for it to find. OutputQueue.dequeue of 200,000 results already on a topic: 113,824-128,888
-    results/s with the collector on, 122,678-139,682 with it paused. The bench's result reader, at
-    31,000 req/s: a result's append to its read p99 65-76 ms on, 11-16 paused. A collector the
-    caller had turned off stays off."""
+    cycles for it to find. A collector the caller had turned off stays off."""
     enabled = gc.isenabled()
     gc.disable()
     try:

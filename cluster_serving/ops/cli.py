@@ -183,7 +183,7 @@ def cmd_http(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Refused, before anything is written or started, while another demo runs in the folder or
-    another instance uses its ports (the README's fixed 9092, 8081, 10020)."""
+    another instance uses its ports (the demo's fixed 9092, 8081, 10020)."""
     folder = Path(args.folder)
     config_path = init_folder(folder)  # writes only what is missing
     config = load_config(config_path)

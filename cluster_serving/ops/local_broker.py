@@ -52,12 +52,9 @@ BROKER_LOG = "broker.log"
 # Logged by this broker once it serves (kafka.server.KafkaRaftServer, kept at INFO below).
 SERVER_STARTED = "Kafka Server started"
 # The JVM's heap: the broker of one developer's topics needs little; Flink shares the machine.
-# The serial collector, not Kafka's usual G1: on two cores shared with the job and its clients,
-# G1 paused the broker for 6-25 ms every 1.8 s (young pauses, then remarks), and every request in
-# flight waited. Requests paced at 47,000/s to the mlp, send -> result read, p99: G1 29 and 63 ms;
-# serial 20, 28 and 33 ms (young pauses of 6-60 ms every 2 s; the broker 0.30-0.35 of a core
-# against G1's 0.34-0.38); parallel 14 and 24 ms, but with a 406 ms pause once as it grew the
-# heap: its two collector threads wait on each other whenever either loses its core.
+# The serial collector, not Kafka's usual G1: on a few cores shared with the job and its clients,
+# G1's pauses stalled every request in flight, and the parallel collector's threads wait on each
+# other whenever one loses its core (docs/benchmarks.md, "Tuning history").
 JVM_OPTIONS = ["-Xms512m", "-Xmx1g", "-XX:+UseSerialGC", "-Djava.awt.headless=true"]
 
 # One node, so every internal topic has one replica. Group joins are not held back for late

@@ -24,8 +24,7 @@ def open_session(path: Path, device: str, threads: int = 1) -> ort.InferenceSess
 
     `threads`: ONNX Runtime's intra-op threads (0: one per core, its default). Its pool threads
     never spin-wait for work: spinning kept a core busy between batches, the core the Kafka
-    clients, the broker and the JVM needed (MLP drain on 2 cores, default pool: 21,682 req/s with
-    spinning, 34,564 without, 41,464 with one thread and no pool)."""
+    clients, the broker and the JVM needed."""
     want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
     if device == "cuda" and not want_cuda:
         raise ModelError("device is 'cuda' but this onnxruntime build has no CUDA provider")
@@ -135,7 +134,7 @@ class OnnxModel:
 
 
 def _castable(got: np.dtype, want: np.dtype) -> bool:
-    """The README's rule: a cast within a kind (float64 -> float32, int32 -> int64), or an unsigned
+    """The documented rule (docs/client.md): a cast within a kind (float64 -> float32, int32 -> int64), or an unsigned
     integer into a signed one that holds all its values (uint8 -> int64). Never across kinds, which
     numpy's "same_kind" allows: int or bool -> float would turn ids and flags into numbers silently,
     and uint64 -> float32 loses digits."""

@@ -287,7 +287,7 @@ class TableEntry:
 class RoutingTable:
     """What the running job serves: per model its batching and versions. It travels as text
     (`text`, read by cluster_serving/jvm/java/RoutingTable.java too) in control records on the request topic, so
-    that a change takes effect at one position of the request stream (README, "Many models")."""
+    that a change takes effect at one position of the request stream (docs/models.md)."""
 
     generation: int
     default: str

@@ -9,7 +9,7 @@ Decoding is a header read and a numpy view per tensor; a batch of results shares
 written once.
 
 Version 1 (`v1.py`), for everything else (strings, images, sparse tensors, errors, top-N
-results), and read for all: one Arrow IPC stream (the README has the full description):
+results), and read for all: one Arrow IPC stream (docs/wire-format.md has the full description):
 - schema metadata `cs.version` = "1", `cs.uri` = the request's uri, and for results optionally
   `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in),
   `cs.inference_us` (that batch's inference time in microseconds) and `cs.top_n` (the result is
