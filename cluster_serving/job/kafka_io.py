@@ -5,7 +5,7 @@ Requests arrive as Row(uri, payload, model, version, control) (job.batch.REQUEST
 is the uri, the value a codec message, the `model` and `version` headers name what serves it, and a
 `cluster-serving-control` header marks a routing table (cluster_serving/job/repository_watch.py). Results leave as
 Row(uri, payload). PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
-the key, so two small Java classes (cluster_serving/jvm/java, compiled by scripts/setup.sh into build/jars) do that.
+the key, so two small Java classes (cluster_serving/jvm/java, compiled into the helper jar) do that.
 """
 
 from __future__ import annotations
