@@ -24,7 +24,7 @@ from pyflink.datastream import MapFunction, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
 if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` runs this file as a plain script
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from cluster_serving.config.command_line import config_parser  # noqa: E402
