@@ -40,7 +40,7 @@ def new_topic(bootstrap: str, partitions: int = 1) -> str:
 def read_topic(bootstrap: str, topic: str) -> list:
     """Every record of the topic, from the start to its end offset now."""
     records = topic_records(bootstrap, topic)
-    written = records_written(bootstrap, [topic])[topic]
+    written = records_written([topic], bootstrap_servers=bootstrap)[topic]
     assert len(records) == written, f"read {len(records)} of {written} records"
     return records
 

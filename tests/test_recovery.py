@@ -34,7 +34,7 @@ OTHER_KAFKA = os.environ.get("KAFKA_BOOTSTRAP", "")
 
 def results_written(config: ServingConfig) -> int:
     """How many records the result topic holds (duplicates included)."""
-    return records_written(config.kafka.bootstrap_servers, [config.kafka.result_topic])[config.kafka.result_topic]
+    return records_written([config.kafka.result_topic], bootstrap_servers=config.kafka.bootstrap_servers)[config.kafka.result_topic]
 
 
 def count_results(config: ServingConfig, isolation_level: str) -> int:

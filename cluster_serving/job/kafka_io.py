@@ -22,6 +22,7 @@ from pyflink.datastream.connectors.kafka import (
 from pyflink.java_gateway import get_gateway
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, KafkaConfig
+from cluster_serving.kafka.connection import KafkaConnection
 
 # Row(uri, payload): the results' element type.
 KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
@@ -49,7 +50,7 @@ def request_source(kafka: KafkaConfig) -> KafkaSource:
         .set_group_id(kafka.group_id)
         .set_starting_offsets(KafkaOffsetsInitializer.committed_offsets(KafkaOffsetResetStrategy.EARLIEST))
     )
-    for key, value in {**SOURCE_PROPERTIES, **kafka.properties}.items():
+    for key, value in KafkaConnection.of(kafka).java(SOURCE_PROPERTIES).items():
         builder.set_property(key, value)
     builder._j_builder.setDeserializer(jvm.clusterserving.flink.KeyValueDeserializationSchema())
     return builder.build()
@@ -104,6 +105,6 @@ def result_sink(kafka: KafkaConfig) -> KafkaSink:
         properties["transaction.timeout.ms"] = str(kafka.transaction_timeout_ms)
     else:
         builder.set_delivery_guarantee(DeliveryGuarantee.AT_LEAST_ONCE)
-    for key, value in {**properties, **kafka.properties}.items():
+    for key, value in KafkaConnection.of(kafka).java(properties).items():
         builder.set_property(key, value)
     return builder.build()

@@ -22,7 +22,7 @@ from kafka import KafkaProducer
 
 from cluster_serving.config import ConfigError, ServingConfig
 from cluster_serving.runtime.repository import Repository, RoutingTable, Servable, rescan, servable_stages
-from cluster_serving.kafka.admin import client_properties
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.wire.codec import CONTROL_HEADER
 from cluster_serving.runtime.servables import open_version
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 def send_table(config: ServingConfig, table: RoutingTable) -> None:
     """The control record, on every partition of the request topic (each source reader must meet it)."""
     kafka = config.kafka
-    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, acks="all", **client_properties(kafka))
+    producer = KafkaProducer(acks="all", **KafkaConnection.of(kafka).kafka_python())
     try:
         for partition in sorted(producer.partitions_for(kafka.input_topic) or [0]):
             producer.send(kafka.input_topic, value=table.text().encode(), partition=partition,

@@ -17,6 +17,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.kafka.librdkafka import client_settings, committed_offsets, topic_partitions
 
 log = logging.getLogger(__name__)
@@ -27,11 +28,6 @@ log = logging.getLogger(__name__)
 READ_COMMITTED = "read_committed"
 # How long the lag's questions wait for the broker's answers.
 LAG_TIMEOUT_S = 10.0
-
-
-def client_properties(kafka: KafkaConfig) -> dict[str, str]:
-    """kafka.properties in kafka-python's spelling (security.protocol -> security_protocol)."""
-    return {key.replace(".", "_"): value for key, value in kafka.properties.items()}
 
 
 # Why no broker can be used at an address (broker_problem).
@@ -60,12 +56,11 @@ def quiet_kafka_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def quiet_admin_client(bootstrap_servers: str, timeout_s: float, **properties: Any) -> KafkaAdminClient:
+def quiet_admin_client(timeout_s: float, **properties: Any) -> KafkaAdminClient:
     """An admin client that gives up after `timeout_s` (KafkaError), without kafka-python's lines
     about each failed connection attempt."""
     with quiet_kafka_logs():
         return KafkaAdminClient(
-            bootstrap_servers=bootstrap_servers,
             request_timeout_ms=int(timeout_s * 1000),
             bootstrap_timeout_ms=int(timeout_s * 1000),
             **properties,
@@ -79,7 +74,7 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Ma
     if problem := broker_problem(kafka):
         raise unreachable(kafka.bootstrap_servers, problem)
     try:
-        admin = quiet_admin_client(kafka.bootstrap_servers, timeout_s, **client_properties(kafka))
+        admin = quiet_admin_client(timeout_s, **KafkaConnection.of(kafka).kafka_python())
     except KafkaError as exc:
         raise unreachable(kafka.bootstrap_servers, str(exc)) from None
     try:
@@ -116,7 +111,7 @@ def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0, **properties: 
     """True when a Kafka broker, not just any listener, answers at the address: a port in use is
     a broker to use only if this holds (`start --local-broker` with the port taken)."""
     try:
-        admin = quiet_admin_client(bootstrap_servers, timeout_s, **properties)
+        admin = quiet_admin_client(timeout_s, bootstrap_servers=bootstrap_servers, **properties)
     except KafkaError:
         return False
     admin.close()
@@ -129,7 +124,7 @@ def broker_problem(kafka: KafkaConfig) -> str | None:
     clients then retry for their whole timeout and fail with a bare KafkaTimeoutError."""
     if not broker_reachable(kafka.bootstrap_servers):
         return NOTHING_LISTENS
-    if not kafka_answers(kafka.bootstrap_servers, **client_properties(kafka)):
+    if not kafka_answers(**KafkaConnection.of(kafka).kafka_python()):
         return NOT_KAFKA
     return None
 
@@ -169,9 +164,10 @@ def topic_records(bootstrap_servers: str, topic: str, isolation_level: str = "re
         consumer.close()
 
 
-def records_written(bootstrap_servers: str, topics: list[str], **properties: Any) -> dict[str, int]:
-    """How many records each topic has had: the sum of its partitions' end offsets (one consumer)."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, **properties)
+def records_written(topics: list[str], **properties: Any) -> dict[str, int]:
+    """How many records each topic has had: the sum of its partitions' end offsets (one consumer
+    made with kafka-python's `properties`, bootstrap_servers among them)."""
+    consumer = KafkaConsumer(**properties)
     try:
         return {topic: sum(consumer.end_offsets(_partitions(consumer, topic)).values()) for topic in topics}
     finally:

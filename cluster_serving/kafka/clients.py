@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import KafkaException, Producer
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.kafka.librdkafka import LOG_LEVEL, client_settings
 
 log = logging.getLogger("cluster_serving.http.kafka")
@@ -29,7 +30,8 @@ POLL_INTERVAL_S = 0.2
 
 def librdkafka_settings(kafka: KafkaConfig, **settings: Any) -> dict[str, Any]:
     """A bridge client's librdkafka configuration: the broker, kafka.properties, then `settings`."""
-    return client_settings(kafka.bootstrap_servers, kafka.properties, log,
+    connection = KafkaConnection.of(kafka)
+    return client_settings(connection.bootstrap_servers, connection.properties, log,
                            "requests are refused (503) until one is back", **settings)
 
 

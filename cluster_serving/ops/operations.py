@@ -11,11 +11,12 @@ import urllib.error
 import urllib.request
 
 from cluster_serving.kafka.clients import check_properties
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.runtime.signature import repository_signatures
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
 from cluster_serving.runtime.repository import check_stages
 from cluster_serving.kafka.admin import (
-    broker_problem, client_properties, consumer_lag, kafka_answers, records_written, unreachable,
+    broker_problem, consumer_lag, kafka_answers, records_written, unreachable,
 )
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.jvm import find_java, pipeline_jars
@@ -129,12 +130,12 @@ def kafka_figures(config: ServingConfig, backlog: int | None) -> dict[str, objec
     kafka = config.kafka
     if problem := broker_problem(kafka):
         return {"broker": f"not usable at {kafka.bootstrap_servers}: {problem}"}
-    properties = client_properties(kafka)
+    properties = KafkaConnection.of(kafka).kafka_python()
     topics = [kafka.input_topic, kafka.result_topic]
-    before = records_written(kafka.bootstrap_servers, topics, **properties)
+    before = records_written(topics, **properties)
     started = time.monotonic()
     time.sleep(RATE_SAMPLE_S)
-    after = records_written(kafka.bootstrap_servers, topics, **properties)
+    after = records_written(topics, **properties)
     elapsed = time.monotonic() - started
     committed = consumer_lag(kafka.bootstrap_servers, kafka.input_topic, kafka.group_id, kafka.properties)
     return {
