@@ -27,11 +27,11 @@ from onnx import TensorProto, helper, numpy_helper, save
 
 from bench.report import percentiles
 from bench.run import ResultReader, enqueue_all, raw_onnxruntime
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.kafka.admin import LagProbe, ensure_topics
 from cluster_serving.ops.children import EmbeddedJob, LocalBroker
 from cluster_serving.ops.processes import free_port, group_rss_mb, write_run_config
-from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES, IR_VERSION, OPSET
-from cluster_serving.kafka.admin import LagProbe, ensure_topics
 
 WIDTH = 1024
 PROBES = 20

@@ -19,8 +19,8 @@ import argparse
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ServingConfig, load_config
-from cluster_serving.wire.codec import Message, decode_message, encode_message
 from cluster_serving.runtime.model import OnnxModel
+from cluster_serving.wire.codec import Message, decode_message, encode_message
 
 READY_LINE = "plain loop: consuming "
 

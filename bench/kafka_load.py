@@ -18,8 +18,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.wire.codec import decode_message
 from cluster_serving.kafka.librdkafka import fetched, gc_paused, topic_partitions
+from cluster_serving.wire.codec import decode_message
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of

@@ -70,14 +70,14 @@ from bench.http_load import http_load, http_protocol, predict_requests
 from bench.kafka_load import Arrival, ResultReader, paced, paced_sender
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
-from cluster_serving.ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
-from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.client.queues import InputQueue, OutputQueue
 from cluster_serving.config import ConfigError, ServingConfig, defaults, load_config
 from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
-from cluster_serving.wire.tensors import ONNX_DTYPES
+from cluster_serving.ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
+from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.runtime.model import open_session
+from cluster_serving.wire.tensors import ONNX_DTYPES
 
 # Distinct instances per model; requests cycle through them (a CNN backlog would otherwise be
 # 100 MB of client memory).

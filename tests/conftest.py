@@ -15,9 +15,9 @@ import onnxruntime as ort
 import pytest
 
 from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.children import EmbeddedJob, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
-from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from cluster_serving.config import ServingConfig
-from cluster_serving.runtime.decode import DecodedBatch
-from cluster_serving.runtime.outcomes import Outcome
 from cluster_serving.job.main import main
 from cluster_serving.job.operators import ServeBatch
+from cluster_serving.runtime.decode import DecodedBatch
+from cluster_serving.runtime.outcomes import Outcome
 
 FAIL_AT_BATCH = 10
 FAILURE = f"failing batch {FAIL_AT_BATCH} on purpose"

@@ -12,9 +12,9 @@ import pytest
 
 from bench.backpressure import raw_capacity, run, slow_model
 from cluster_serving.client import InputQueue, OutputQueue, QueueFullError
+from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.processes import write_run_config
-from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES
 
 BURST_SECONDS = 10

@@ -9,7 +9,15 @@ import struct
 import pytest
 
 from cluster_serving.runtime.frames import (
-    BATCH, CONTROL, NO_URI, Frame, FrameError, read_frame, write_batch_frame, write_control_frame, write_frame,
+    BATCH,
+    CONTROL,
+    NO_URI,
+    Frame,
+    FrameError,
+    read_frame,
+    write_batch_frame,
+    write_control_frame,
+    write_frame,
 )
 
 U32 = struct.Struct("<I")

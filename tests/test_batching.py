@@ -10,8 +10,8 @@ from kafka import KafkaConsumer
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.config.schema import KafkaConfig
-from cluster_serving.wire.codec import decode_message
 from cluster_serving.ops.sample_model import FEATURES
+from cluster_serving.wire.codec import decode_message
 
 MAX_DELAY_MS = 500
 BATCH_SIZE = 32

@@ -26,11 +26,11 @@ import yaml
 
 from cluster_serving.config import load_config
 from cluster_serving.kafka.admin import NOT_KAFKA, NOTHING_LISTENS, broker_problem
+from cluster_serving.ops.children import LocalBroker
 from cluster_serving.ops.cli import init_folder
 from cluster_serving.ops.instances import REGISTRY_ENV
-from cluster_serving.ops.children import LocalBroker
-from tests.paths import PROJECT_ROOT
 from cluster_serving.ops.processes import free_port, pids_naming, write_run_config
+from tests.paths import PROJECT_ROOT
 
 # A bound on a hang, not a speed benchmark: every cause below is local (a probe of a dead address
 # included); the rows take about 1 s each, 3 s where a listener is asked whether it speaks Kafka.

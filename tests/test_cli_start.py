@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from cluster_serving.ops.instances import RECORD_FILE, REGISTRY_ENV
-from tests.paths import PROJECT_ROOT
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
+from tests.paths import PROJECT_ROOT
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster_serving.jvm import pipeline_jars
 from cluster_serving.config import ConfigError, load_config
+from cluster_serving.jvm import pipeline_jars
 from cluster_serving.ops.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

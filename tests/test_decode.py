@@ -11,9 +11,9 @@ from pyflink.common import Row
 
 import cluster_serving.runtime.decode as decoding
 from cluster_serving.config import LimitsConfig
-from cluster_serving.wire.codec import Message, encode_message
 from cluster_serving.runtime.decode import decode_records, prepare_instances
 from cluster_serving.runtime.preprocess import prepare_values
+from cluster_serving.wire.codec import Message, encode_message
 
 LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=10_000)
 URIS = ["a", "boom", "b"]

@@ -13,9 +13,9 @@ from types import ModuleType
 import pytest
 import yaml
 
-from cluster_serving.ops.cli import parser as cli_parser
-from cluster_serving.config import load_config
 from cluster_serving import jvm
+from cluster_serving.config import load_config
+from cluster_serving.ops.cli import parser as cli_parser
 from cluster_serving.ops.local_broker import SINGLE_NODE_SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,11 +22,11 @@ from kafka import KafkaProducer
 from PIL import Image
 
 from cluster_serving.client import OutputQueue
-from cluster_serving.wire.inputs import encode_request
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.processes import group_rss_mb
 from cluster_serving.ops.sample_model import FEATURES
 from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, encode_message
+from cluster_serving.wire.inputs import encode_request
 from tests.arrow_streams import one_batch_stream
 from tests.forged_images import jpeg_header, png_header
 

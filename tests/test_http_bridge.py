@@ -25,10 +25,10 @@ import pytest
 import yaml
 
 from cluster_serving.client import InputQueue, PredictError
+from cluster_serving.config import load_config
 from cluster_serving.http.server import listen
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
-from cluster_serving.config import load_config
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
 

@@ -16,12 +16,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
+from cluster_serving.config import load_config
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge
 from cluster_serving.ops.processes import write_run_config
-from cluster_serving.config import load_config
 from tests.conftest import http_call
-from tests.onnx_models import graph_model
 from tests.forged_images import png_header
+from tests.onnx_models import graph_model
 
 STRINGS = ["come", "on", "united"]
 COMPOSITE = {

@@ -30,14 +30,14 @@ import yaml
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from onnx import TensorProto, helper, numpy_helper
 
+from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config
 from cluster_serving.http.catalog import Catalog
 from cluster_serving.http.errors import ModelNotFound
-from cluster_serving.runtime.signature import repository_signatures
-from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config
 from cluster_serving.kafka.admin import ensure_topics
-from cluster_serving.wire.codec import Message, decode_message, encode_message
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
+from cluster_serving.runtime.signature import repository_signatures
+from cluster_serving.wire.codec import Message, decode_message, encode_message
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
 from tests.stub_http import JsonHandler

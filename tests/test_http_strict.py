@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import uvicorn
 
-from cluster_serving.http.dataplane import Bridge
-from cluster_serving.http.server import listen, server_config
-from cluster_serving.http.errors import BridgeError
+from cluster_serving.config import load_config
 from cluster_serving.http.asgi.binary_tensors import values_from_bytes, values_to_bytes
+from cluster_serving.http.dataplane import Bridge
+from cluster_serving.http.errors import BridgeError
 from cluster_serving.http.json_tensors import strict_json, v2_instances
+from cluster_serving.http.server import listen, server_config
+from cluster_serving.ops.processes import free_port, write_run_config
+from cluster_serving.ops.sample_model import FEATURES
 from cluster_serving.runtime.signature import ModelSignature, read_signature
 from cluster_serving.wire.tensors import TensorError, TensorSpec, dense_array
-from cluster_serving.ops.processes import free_port, write_run_config
-from cluster_serving.config import load_config
-from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
 
 TOKEN = "strict-token-9a2e"

@@ -9,10 +9,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cluster_serving.wire.codec import Message, decode_message, encode_message
 from cluster_serving.runtime.infer import predict
-from cluster_serving.runtime.outcomes import as_messages
 from cluster_serving.runtime.model import ModelError, OnnxModel
+from cluster_serving.runtime.outcomes import as_messages
+from cluster_serving.wire.codec import Message, decode_message, encode_message
 from tests.onnx_models import graph_model
 
 TABLE = np.arange(30, dtype=np.float32).reshape(10, 3)

@@ -18,8 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from cluster_serving.client import InputQueue, OutputQueue, SparseTensor
-from cluster_serving.ops.processes import write_run_config
 from cluster_serving.config import load_config
+from cluster_serving.ops.processes import write_run_config
 from tests.onnx_models import graph_model
 
 WORDS = ["hello", "world", "cluster", "serving"]

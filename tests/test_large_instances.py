@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from cluster_serving.client import InputQueue, OutputQueue
-from cluster_serving.ops.processes import write_run_config
 from cluster_serving.config import KAFKA_RECORD_BYTES, ServingConfig, load_config
+from cluster_serving.ops.processes import write_run_config
 from tests.onnx_models import graph_model
 
 VALUES = 10 * 2**20 // 4  # float32 values of one 10 MiB instance

@@ -18,9 +18,9 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 
+from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import LocalBroker
 from cluster_serving.ops.processes import free_port, process_group_members
-from cluster_serving.net.ports import port_taken
 from tests.test_end_to_end import listening_addresses
 
 RECORDS = 1000

@@ -17,10 +17,11 @@ from kafka import KafkaProducer
 from onnx import TensorProto, helper, numpy_helper
 
 from cluster_serving.client import InputQueue, OutputQueue
-from cluster_serving.wire.codec import CONTROL_HEADER, Message, decode_message, encode_message
 from cluster_serving.kafka.admin import topic_records
+from cluster_serving.wire.codec import CONTROL_HEADER, Message, decode_message, encode_message
 from tests.conftest import collect
 from tests.onnx_models import WIDTH, graph_model, scale_model
+
 
 def total_model(path: Path) -> Path:
     """total = x @ [1, 2, 3, 4]: one number per instance."""

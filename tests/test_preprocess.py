@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cluster_serving.wire.inputs import json_inputs, wire_value
 from cluster_serving.config import ImageConfig, LimitsConfig, load_config
-from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, decode_message, encode_message
-from cluster_serving.wire.tensors import TensorError
-from cluster_serving.wire.kinds import KINDS, DenseKind, ImageKind, SparseKind, kind_of
 from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow, decode_image, prepare_values
+from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, decode_message, encode_message
+from cluster_serving.wire.inputs import json_inputs, wire_value
+from cluster_serving.wire.kinds import KINDS, DenseKind, ImageKind, SparseKind, kind_of
+from cluster_serving.wire.tensors import TensorError
 from tests.forged_images import jpeg_header, png_header
 from tests.memory import peak_rss_growth_mb
 

@@ -35,8 +35,8 @@ import yaml
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.config import defaults, load_config
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
-from tests.paths import PROJECT_ROOT
 from cluster_serving.ops.processes import write_run_config
+from tests.paths import PROJECT_ROOT
 
 README = PROJECT_ROOT / "README.md"
 # The docs pages in the order of the site's navigation: a page's blocks may use files an earlier one wrote.

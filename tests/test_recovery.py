@@ -19,11 +19,11 @@ import numpy as np
 import onnxruntime as ort
 
 from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.kafka.admin import records_written, topic_records
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.processes import write_run_config
-from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES
-from cluster_serving.kafka.admin import records_written, topic_records
 from tests.conftest import collect
 from tests.failing_job import FAILURE
 

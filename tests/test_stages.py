@@ -12,10 +12,10 @@ import yaml
 
 from cluster_serving.config import load_config
 from cluster_serving.runtime.repository import RoutingTable, scan
-from cluster_serving.wire.codec import Message
-from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.runtime.servables import Served
+from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.runtime.stages import apply_stage
+from cluster_serving.wire.codec import Message
 from tests.onnx_models import scale_model
 
 

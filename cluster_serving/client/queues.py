@@ -22,18 +22,35 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from confluent_kafka import (
-    OFFSET_BEGINNING, Consumer, IsolationLevel, KafkaError, KafkaException, Producer, TopicPartition,
+    OFFSET_BEGINNING,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, defaults
 from cluster_serving.kafka.admin import READ_COMMITTED, LagProbe
 from cluster_serving.kafka.librdkafka import (
-    client_settings, committed_offsets, fetched, gc_paused, keyword_settings, topic_partitions,
+    client_settings,
+    committed_offsets,
+    fetched,
+    gc_paused,
+    keyword_settings,
+    topic_partitions,
 )
 from cluster_serving.wire.codec import DecodeError, decode_message
 from cluster_serving.wire.inputs import (
-    Headers, Result, checked_model, encode_alike_requests, encode_request, request_headers, result_of,
+    Headers,
+    Result,
+    checked_model,
+    encode_alike_requests,
+    encode_request,
+    request_headers,
+    result_of,
 )
 
 log = logging.getLogger(__name__)

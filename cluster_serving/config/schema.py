@@ -21,8 +21,19 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from annotated_types import Ge, Le
 from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictFloat, StrictInt,
-    StringConstraints, ValidationError, ValidationInfo, field_validator, model_validator,
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictFloat,
+    StrictInt,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
 )
 from pydantic.fields import FieldInfo
 

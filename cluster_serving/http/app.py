@@ -13,12 +13,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
-from cluster_serving.http.dataplane import Bridge
-from cluster_serving.http.errors import HTTP_STATUS
 from cluster_serving.http.asgi.fast_path import PredictFront
 from cluster_serving.http.asgi.guards import BearerToken, BodyLimit, CountResponses
 from cluster_serving.http.asgi.openapi import drop_unused_422
 from cluster_serving.http.asgi.responses import error_response, exception_response
+from cluster_serving.http.dataplane import Bridge
+from cluster_serving.http.errors import HTTP_STATUS
 from cluster_serving.http.protocol import bigdl, kserve_v1, kserve_v2
 
 PROTOCOLS = (bigdl, kserve_v1, kserve_v2)

@@ -18,10 +18,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cluster_serving.http.errors import ModelNotFound
-from cluster_serving.runtime.signature import ModelSignature, repository_signatures, request_input, servable_signature
 from cluster_serving.config import ConfigError, ServingConfig
+from cluster_serving.http.errors import ModelNotFound
 from cluster_serving.runtime.repository import Repository, Servable, rescan
+from cluster_serving.runtime.signature import ModelSignature, repository_signatures, request_input, servable_signature
 from cluster_serving.wire.inputs import Headers, request_headers
 
 log = logging.getLogger("cluster_serving.http")

@@ -23,18 +23,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster_serving.http.errors import (
-    InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unavailable,
-)
-from cluster_serving.http.catalog import Catalog, Target
-from cluster_serving.kafka.clients import RequestProducer, librdkafka_settings
-from cluster_serving.http.metrics import BridgeMetrics
-from cluster_serving.wire.inputs import encode_request
-from cluster_serving.net.flink_rest import FlinkRest
-from cluster_serving.http.result_waiter import ResultWaiter
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
+from cluster_serving.http.catalog import Catalog, Target
+from cluster_serving.http.errors import (
+    InferenceFailed,
+    InvalidRequest,
+    ModelNotFound,
+    NotReady,
+    RateLimited,
+    Timeout,
+    TooLarge,
+    Unavailable,
+)
+from cluster_serving.http.metrics import BridgeMetrics
+from cluster_serving.http.result_waiter import ResultWaiter
 from cluster_serving.kafka.admin import READ_COMMITTED, broker_reachable, ensure_topics
+from cluster_serving.kafka.clients import RequestProducer, librdkafka_settings
+from cluster_serving.net.flink_rest import FlinkRest
 from cluster_serving.wire.codec import Message
+from cluster_serving.wire.inputs import encode_request
 
 log = logging.getLogger("cluster_serving.http")
 READINESS_TTL_S = 1.0

@@ -17,10 +17,10 @@ from typing import Any, Callable
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka import Message as Record
 
-from cluster_serving.kafka.clients import client_or_config_error
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.wire.codec import DecodeError, Message, decode_message
+from cluster_serving.kafka.clients import client_or_config_error
 from cluster_serving.kafka.librdkafka import fetched
+from cluster_serving.wire.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 REMEMBER_TIMED_OUT = 100_000

@@ -21,13 +21,13 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cluster_serving.http.dataplane import Bridge
-from cluster_serving.http.errors import InvalidRequest
-from cluster_serving.http.app import create_app
-from cluster_serving.http.json_tensors import json_bytes
-from cluster_serving.http.metrics import BridgeMetrics
 from cluster_serving.config import ConfigError, load_config
 from cluster_serving.config.command_line import config_parser
+from cluster_serving.http.app import create_app
+from cluster_serving.http.dataplane import Bridge
+from cluster_serving.http.errors import InvalidRequest
+from cluster_serving.http.json_tensors import json_bytes
+from cluster_serving.http.metrics import BridgeMetrics
 
 log = logging.getLogger("cluster_serving.http")
 READY_LINE = "http bridge listening on "

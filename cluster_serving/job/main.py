@@ -28,16 +28,16 @@ if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` run
 
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from cluster_serving.config.command_line import config_parser  # noqa: E402
-from cluster_serving.runtime.repository import Repository, RoutingTable, checked_scan  # noqa: E402
-from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
-from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
-from cluster_serving.net.ports import port_taken  # noqa: E402
-from cluster_serving.job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
+from cluster_serving.job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
-from cluster_serving.runtime.model import ModelError  # noqa: E402
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
 from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # noqa: E402
+from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
+from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
+from cluster_serving.net.ports import port_taken  # noqa: E402
+from cluster_serving.runtime.model import ModelError  # noqa: E402
+from cluster_serving.runtime.repository import Repository, RoutingTable, checked_scan  # noqa: E402
 from cluster_serving.runtime.servables import repository_check  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")

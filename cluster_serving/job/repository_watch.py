@@ -21,10 +21,10 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from cluster_serving.config import ConfigError, ServingConfig
-from cluster_serving.runtime.repository import Repository, RoutingTable, Servable, rescan, servable_stages
 from cluster_serving.kafka.connection import KafkaConnection
-from cluster_serving.wire.codec import CONTROL_HEADER
+from cluster_serving.runtime.repository import Repository, RoutingTable, Servable, rescan, servable_stages
 from cluster_serving.runtime.servables import open_version
+from cluster_serving.wire.codec import CONTROL_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import confluent_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.consumer.fetcher import ConsumerRecord
 from kafka.admin import NewTopic
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 from cluster_serving.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.net.ports import port_taken
-from cluster_serving.ops.local_broker import BrokerError
-from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
-from cluster_serving.ops.demo import run_demo
-from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
 from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
+from cluster_serving.ops.demo import run_demo
+from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
+from cluster_serving.ops.local_broker import BrokerError
+from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
 from cluster_serving.ops.sample_model import build_sample_model
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ from types import TracebackType
 import pyflink
 import yaml
 
-from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.config import ConfigError
+from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.ops.processes import free_port, pids_naming
 
 log = logging.getLogger(__name__)

@@ -10,21 +10,25 @@ import time
 import urllib.error
 import urllib.request
 
+from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
+from cluster_serving.jvm import find_java, pipeline_jars
+from cluster_serving.kafka.admin import (
+    broker_problem,
+    consumer_lag,
+    kafka_answers,
+    records_written,
+    unreachable,
+)
 from cluster_serving.kafka.clients import check_properties
 from cluster_serving.kafka.connection import KafkaConnection
-from cluster_serving.runtime.signature import repository_signatures
-from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
-from cluster_serving.runtime.repository import check_stages
-from cluster_serving.kafka.admin import (
-    broker_problem, consumer_lag, kafka_answers, records_written, unreachable,
-)
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
-from cluster_serving.jvm import find_java, pipeline_jars
 from cluster_serving.net.ports import port_taken
-from cluster_serving.ops.local_broker import kafka_version
 from cluster_serving.ops.children import LocalBroker
 from cluster_serving.ops.instances import Instance, commands_for
+from cluster_serving.ops.local_broker import kafka_version
 from cluster_serving.ops.processes import listener_of
+from cluster_serving.runtime.repository import check_stages
+from cluster_serving.runtime.signature import repository_signatures
 
 RATE_SAMPLE_S = 1.0
 

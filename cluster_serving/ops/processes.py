@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import random
 import socket
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 import psutil
 import yaml
-
 
 # The folder that holds this cluster_serving package (site-packages, or a clone): children import
 # from it, whatever folder they run in.

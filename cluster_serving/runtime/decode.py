@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass
 
 from cluster_serving.config import ImageConfig, LimitsConfig
-from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
 from cluster_serving.runtime.frames import read_frame
 from cluster_serving.runtime.outcomes import error_result, reason
 from cluster_serving.runtime.preprocess import prepare_values
+from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import logging
 from typing import Iterator
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.wire.codec import Message, Served, encode_message, encode_rows
 from cluster_serving.runtime.outcomes import Outcome, Rows
+from cluster_serving.wire.codec import Message, Served, encode_message, encode_rows
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,12 @@ others in the batch still get their results.
 from __future__ import annotations
 
 import logging
+
 import numpy as np
-from cluster_serving.wire.codec import Message
+
 from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.outcomes import InvalidInput, Outcome, Rows, error_result
+from cluster_serving.wire.codec import Message
 
 log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]

@@ -16,9 +16,9 @@ from PIL.JpegImagePlugin import JpegImageFile
 from PIL.PngImagePlugin import PngImageFile
 
 from cluster_serving.config import ImageConfig, LimitsConfig
+from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.wire.codec import Value
 from cluster_serving.wire.kinds import kind_of
-from cluster_serving.runtime.outcomes import InvalidInput
 
 DEFAULT_IMAGE = ImageConfig()
 # Only Pillow's JPEG and PNG plugins ever parse request bytes (Image.open would offer them to every

@@ -25,11 +25,19 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, Field, StrictBool, StrictInt, ValidationError, model_validator
 
-from cluster_serving.wire.codec import MODEL_NAME
 from cluster_serving.config.schema import (
-    BatchingConfig, ConfigError, PostprocessConfig, PreprocessConfig, ServingConfig, Text, Texts, _none_is,
-    _one_line, _Section,
+    BatchingConfig,
+    ConfigError,
+    PostprocessConfig,
+    PreprocessConfig,
+    ServingConfig,
+    Text,
+    Texts,
+    _none_is,
+    _one_line,
+    _Section,
 )
+from cluster_serving.wire.codec import MODEL_NAME
 
 MODEL_FILE = "model.onnx"
 SERVABLE_FILE = "servable.yaml"

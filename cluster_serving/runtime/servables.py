@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster_serving.config import ServingConfig
+from cluster_serving.runtime.model import ModelError, OnnxModel
 from cluster_serving.runtime.repository import Repository, RoutingTable, Servable, check_stages, scan, servable_stages
 from cluster_serving.wire.tensors import config_mismatch
-from cluster_serving.runtime.model import ModelError, OnnxModel
 
 log = logging.getLogger(__name__)
 StageFunction = Callable[..., object]

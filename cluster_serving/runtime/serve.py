@@ -24,7 +24,7 @@ from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow
 from cluster_serving.runtime.repository import PipelineStep, RoutingTable
-from cluster_serving.runtime.servables import RouteError, Served, Servables
+from cluster_serving.runtime.servables import RouteError, Servables, Served
 from cluster_serving.runtime.stages import apply_stage, run_pipeline
 from cluster_serving.wire.codec import Message
 

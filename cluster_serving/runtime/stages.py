@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from cluster_serving.runtime.outcomes import InvalidInput, Outcome, as_messages, error_result
 from cluster_serving.runtime.repository import PipelineStep, Servable
 from cluster_serving.wire.codec import Message
-from cluster_serving.runtime.outcomes import InvalidInput, Outcome, as_messages, error_result
 
 Tensors = dict[str, np.ndarray]
 

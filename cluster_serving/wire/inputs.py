@@ -14,11 +14,19 @@ from typing import Any
 import numpy as np
 
 from cluster_serving.wire.codec import (
-    MAX_URI_CHARS, MODEL_HEADER, MODEL_NAME, TOP_N_CLASSES, TOP_N_PROBABILITIES, VERSION_HEADER, Message, Value, encode_alike,
+    MAX_URI_CHARS,
+    MODEL_HEADER,
+    MODEL_NAME,
+    TOP_N_CLASSES,
+    TOP_N_PROBABILITIES,
+    VERSION_HEADER,
+    Message,
+    Value,
+    encode_alike,
     encode_message,
 )
-from cluster_serving.wire.tensors import TensorError
 from cluster_serving.wire.kinds import KINDS, JsonHints
+from cluster_serving.wire.tensors import TensorError
 
 
 class Result(dict[Any, Any]):

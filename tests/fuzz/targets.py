@@ -40,8 +40,12 @@ from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
+from PIL import Image
 
 from cluster_serving.config import ImageConfig, LimitsConfig, PreprocessConfig
+from cluster_serving.runtime import preprocess
+from cluster_serving.runtime.outcomes import InvalidInput
+from cluster_serving.runtime.preprocess import decode_image
 from cluster_serving.wire.codec import (
     MAX_TENSORS,
     MAX_URI_CHARS,
@@ -52,11 +56,7 @@ from cluster_serving.wire.codec import (
     decode_message,
     encode_message,
 )
-from cluster_serving.runtime import preprocess
-from cluster_serving.runtime.outcomes import InvalidInput
-from cluster_serving.runtime.preprocess import decode_image
 from tests.fuzz.streams import build_stream
-from PIL import Image
 
 # Small limits: a bomb shows up as a bound broken, not as minutes of swapping.
 MAX_BYTES = 1 << 20
@@ -303,7 +303,10 @@ def _key(mode: int, payload: bytes | None) -> str | None:
 
 
 def check_batch(data: bytes) -> None:
-    from cluster_serving.runtime.decode import decode_records, prepare_instances  # imports pyflink: only the batch target pays for it
+    from cluster_serving.runtime.decode import (  # imports pyflink: only the batch target pays for it
+        decode_records,
+        prepare_instances,
+    )
 
     records = unpack_records(data)
     if STRICT:

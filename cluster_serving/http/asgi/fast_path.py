@@ -18,12 +18,19 @@ from pydantic import BaseModel, ValidationError
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from cluster_serving.http.errors import (
-    InferenceFailed, InvalidRequest, ModelNotFound, NotReady, RateLimited, Timeout, TooLarge, Unauthenticated,
-)
 from cluster_serving.http.asgi.binary_tensors import HEADER_LENGTH, BinaryAnswer, send_binary, split_body
 from cluster_serving.http.asgi.openapi import documented
 from cluster_serving.http.asgi.responses import exception_response, send_json
+from cluster_serving.http.errors import (
+    InferenceFailed,
+    InvalidRequest,
+    ModelNotFound,
+    NotReady,
+    RateLimited,
+    Timeout,
+    TooLarge,
+    Unauthenticated,
+)
 from cluster_serving.http.json_tensors import json_bytes, strict_json
 
 BINARY_HEADER = HEADER_LENGTH.encode()

@@ -7,8 +7,8 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster_serving.http.errors import TooLarge, Unauthenticated
 from cluster_serving.http.asgi.responses import exception_response
+from cluster_serving.http.errors import TooLarge, Unauthenticated
 from cluster_serving.http.metrics import BridgeMetrics
 
 OPEN_ROUTES = ("/v2/health/",)  # reachable without the bearer token: liveness/readiness probes

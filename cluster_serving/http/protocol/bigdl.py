@@ -9,10 +9,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from cluster_serving.http.dataplane import Bridge
-from cluster_serving.http.errors import Unauthenticated
 from cluster_serving.http.asgi.fast_path import predict_route
 from cluster_serving.http.asgi.openapi import documented
+from cluster_serving.http.dataplane import Bridge
+from cluster_serving.http.errors import Unauthenticated
 from cluster_serving.http.protocol.kserve_v1 import PredictRequest, PredictResponse, predict_instances
 
 

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from cluster_serving.http.asgi.fast_path import predict_route
+from cluster_serving.http.asgi.openapi import documented, model_path
 from cluster_serving.http.catalog import Target
 from cluster_serving.http.dataplane import Bridge
 from cluster_serving.http.errors import ModelNotFound, Unauthenticated
-from cluster_serving.http.asgi.fast_path import predict_route
-from cluster_serving.http.asgi.openapi import documented, model_path
 from cluster_serving.http.json_tensors import prediction, read_instances
 
 TAGS: list[str | Enum] = ["KServe v1"]

@@ -9,16 +9,16 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any
 
-from fastapi import FastAPI
 import numpy as np
+from fastapi import FastAPI
 from pydantic import BaseModel, Field, PrivateAttr
 
+from cluster_serving.http.asgi.binary_tensors import BinaryAnswer, values_to_bytes, with_binary_values
+from cluster_serving.http.asgi.fast_path import predict_route
+from cluster_serving.http.asgi.openapi import documented, model_path, version_path
 from cluster_serving.http.catalog import Target, platform
 from cluster_serving.http.dataplane import Bridge
 from cluster_serving.http.errors import ModelNotFound, NotReady, Unauthenticated
-from cluster_serving.http.asgi.fast_path import predict_route
-from cluster_serving.http.asgi.openapi import documented, model_path, version_path
-from cluster_serving.http.asgi.binary_tensors import BinaryAnswer, values_to_bytes, with_binary_values
 from cluster_serving.http.json_tensors import v2_datatype, v2_instances, v2_json_output, v2_output_arrays
 from cluster_serving.runtime.signature import tensor_metadata
 from cluster_serving.wire.codec import MAX_RANK
