@@ -38,7 +38,7 @@ def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
         return prepare_values(values, images, limits)
 
     monkeypatch.setattr(decoding, "prepare_values", prepare)
-    with caplog.at_level(logging.WARNING, logger="cluster_serving.runtime.decode"):
+    with caplog.at_level(logging.WARNING, logger="cluster_serving.runtime"):
         batch, dropped = decode_records(records(), LIMITS)
         ready, rejected = prepare_instances(batch.instances, {}, LIMITS)
     assert [message.uri for message in ready] == ["a", "b"] and dropped == 0

@@ -68,7 +68,8 @@ def test_the_wheel_installs_one_package_and_the_command(installed: Path) -> None
         "print(json.dumps([sorted({str(f).split('/')[0] for f in d.files if not str(f).startswith(('cluster_serving-', '../'))}),"
         " [e.name for e in d.entry_points if e.group == 'console_scripts']]))"
     )
-    top_level, scripts = json.loads(run([str(installed / "python"), "-c", probe], timeout=60).stdout)
+    # -P, and a folder of its own: the clone's metadata (cluster_serving.egg-info) must not answer.
+    top_level, scripts = json.loads(run([str(installed / "python"), "-P", "-c", probe], timeout=60, cwd=installed).stdout)
     assert (top_level, scripts) == (["cluster_serving"], ["cluster-serving"])
 
 
@@ -117,7 +118,7 @@ server = BatchServer(config)
 server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
 rows = np.arange(12, dtype=np.float32).reshape(3, 4)
 records = [(f"u{i}", encode_message(Message(f"u{i}", {"x": row}))) for i, row in enumerate(rows)] + [("bad", b"junk")]
-results = {uri: decode_message(bytes(payload)) for uri, payload in read_result_frame(server.serve_frame(write_batch_frame("", "", records)))}
+results = {uri: decode_message(bytes(payload), 1 << 20) for uri, payload in read_result_frame(server.serve_frame(write_batch_frame("", "", records)))}
 print(json.dumps({
     "absent": [name for name in ("pyflink", "kafka", "confluent_kafka", "fastapi") if importlib.util.find_spec(name)],
     "results": {uri: message.tensors["y"].tolist() for uri, message in results.items() if message.error is None},
@@ -140,7 +141,7 @@ def test_the_runtime_serves_a_batch_in_a_python_without_flink(wheel: Path, tmp_p
     (site / "runtime-packages.pth").write_text(f"{linked}\n")
     model = scale_model(tmp_path / "scale.onnx", 3.0)
 
-    served = json.loads(run([str(bin_dir / "python"), "-c", RUNTIME_SCRIPT, str(model)], timeout=120, cwd=tmp_path).stdout)
+    served = json.loads(run([str(bin_dir / "python"), "-P", "-c", RUNTIME_SCRIPT, str(model)], timeout=120, cwd=tmp_path).stdout)
 
     assert served["absent"] == []
     expected = ort.InferenceSession(str(model)).run(None, {"x": np.arange(12, dtype=np.float32).reshape(3, 4)})[0]
