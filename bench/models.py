@@ -86,6 +86,51 @@ def build_cnn(path: Path, seed: int = 7) -> Path:
     return save_graph(graph, path)
 
 
+CONV224_SHAPE = (3, 224, 224)
+
+
+def build_conv224(path: Path, seed: int = 7) -> Path:
+    """input float32 [batch, 3, 224, 224] -> one Conv 3->16 5x5/4 -> Relu -> GlobalAveragePool ->
+    Gemm 16->10 -> Softmax: an image-sized input with little compute, so that moving and decoding
+    the images, not the model, is what the serving path's figures show."""
+    rng = np.random.default_rng(seed)
+    weights = [
+        numpy_helper.from_array(rng.normal(0, 0.1, (16, 3, 5, 5)).astype(np.float32), "conv_w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (16,)).astype(np.float32), "conv_b"),
+        numpy_helper.from_array(rng.normal(0, 0.5, (16, CLASSES)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(rng.normal(0, 0.1, (CLASSES,)).astype(np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["input", "conv_w", "conv_b"], ["conv"], kernel_shape=[5, 5], strides=[4, 4], pads=[2, 2, 2, 2]),
+        helper.make_node("Relu", ["conv"], ["relu"]),
+        helper.make_node("GlobalAveragePool", ["relu"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "bench_conv224",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *CONV224_SHAPE])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES])],
+        initializer=weights,
+    )
+    return save_graph(graph, path)
+
+
+def build_resnet50(path: Path) -> Path:
+    """torchvision's ResNet-50 with random weights (none downloaded), exported to ONNX with a free
+    batch dimension; needs torch and torchvision, as a GPU machine has them."""
+    try:
+        import torch
+        import torchvision
+    except ImportError:
+        raise SystemExit("error: --model resnet50 needs torch and torchvision installed") from None
+    model = torchvision.models.resnet50(weights=None).eval()
+    torch.onnx.export(model, torch.zeros(1, 3, 224, 224), str(path), input_names=["input"], output_names=["logits"],
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17)
+    return path
+
+
 def bench_models(hidden: int) -> dict[str, BenchModel]:
     """The models by name; `hidden` is the sample classifier's hidden width (--hidden)."""
     return {

@@ -97,6 +97,7 @@ class ModelConfig(_Section):
     inputs: Texts = ()
     outputs: Texts = ()
     threads: StrictInt = Field(1, ge=0)
+    decode_threads: StrictInt = Field(0, ge=0, le=1024)
 
 
 class KafkaConfig(_Section):

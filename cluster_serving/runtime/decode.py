@@ -5,13 +5,14 @@ the batch's servable is known, as its settings say (`prepare_instances`, called 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from cluster_serving.config import ImageConfig, LimitsConfig
 from cluster_serving.runtime.frames import read_frame
-from cluster_serving.runtime.outcomes import error_result, reason
-from cluster_serving.runtime.preprocess import prepare_values
-from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, Message, decode_message
+from cluster_serving.runtime.outcomes import InvalidInput, error_result, reason
+from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, decode_images, prepare_values
+from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, EncodedImage, Message, decode_message
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,18 @@ def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig
 
 
 def prepare_instances(
-    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None = None
 ) -> tuple[list[Message], list[Message]]:
-    """(instances whose values are all arrays now, error results): images decoded and sparse
-    tensors made dense. Format v2 holds dense tensors only: nothing to do. As in decode_records,
-    any exception is that request's error result."""
+    """(instances whose values are all arrays now, error results): images decoded, an input's
+    images of the whole batch together in `pool` (decode_images), and sparse tensors made dense.
+    Format v2 holds dense tensors only: nothing to do. As in decode_records, any exception is
+    that request's error result."""
+    refused = _decode_images(instances, images, limits, pool)
     ready, rejected = [], []
-    for message in instances:
+    for index, message in enumerate(instances):
         try:
+            if index in refused:
+                raise refused[index]
             if message.layout_key is None:
                 message.tensors = prepare_values(message.tensors, images, limits)
         except Exception as exc:
@@ -82,6 +87,27 @@ def prepare_instances(
             continue
         ready.append(message)
     return ready, rejected
+
+
+def _decode_images(
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None
+) -> dict[int, InvalidInput]:
+    """Puts each instance's decoded images in its tensors; returns why, by instance, an image did not decode."""
+    inputs: dict[str, list[int]] = {}
+    for index, message in enumerate(instances):
+        for name, value in message.tensors.items():
+            if isinstance(value, EncodedImage):
+                inputs.setdefault(name, []).append(index)
+    refused: dict[int, InvalidInput] = {}
+    for name, indices in inputs.items():
+        datas = [instances[index].tensors[name].data for index in indices]
+        arrays = decode_images(name, datas, images.get(name, DEFAULT_IMAGE), limits.max_image_pixels, pool)
+        for index, array in zip(indices, arrays):
+            if isinstance(array, InvalidInput):
+                refused.setdefault(index, array)
+            else:
+                instances[index].tensors[name] = array
+    return refused
 
 
 def _unusable_key(key: str | None) -> str:

@@ -106,10 +106,7 @@ class OnnxModel:
         """Instances that share a shape signature, stacked along a new first dimension and cast
         to the model's dtypes (a no-op for prepared ones), run `run_size` rows at a time (0: all
         in one run); row i of each output belongs to feeds[i]. Batched models only."""
-        stacked = {
-            spec.name: np.stack([feed[spec.name] for feed in feeds]).astype(spec.dtype, copy=False)
-            for spec in self.inputs
-        }
+        stacked = {spec.name: stack_rows([feed[spec.name] for feed in feeds]).astype(spec.dtype, copy=False) for spec in self.inputs}
         step = run_size or len(feeds)
         runs = [self._run_rows({name: value[start:start + step] for name, value in stacked.items()})
                 for start in range(0, len(feeds), step)]
@@ -131,6 +128,20 @@ class OnnxModel:
 
     def _input_names(self) -> str:
         return ", ".join(spec.name for spec in self.inputs)
+
+
+def stack_rows(rows: list[np.ndarray]) -> np.ndarray:
+    """The rows as one array along a new first dimension: when they are consecutive rows of one
+    array already (decode_images lays a batch's images out so), that array's slice, not a copy."""
+    base = rows[0].base
+    if (
+        isinstance(base, np.ndarray) and base.flags.c_contiguous and base.shape[1:] == rows[0].shape
+        and base.dtype == rows[0].dtype and all(row.base is base for row in rows)
+    ):
+        start, stride = rows[0].ctypes.data - base.ctypes.data, base.strides[0]
+        if start % stride == 0 and all(row.ctypes.data == rows[0].ctypes.data + i * stride for i, row in enumerate(rows)):
+            return base[start // stride:start // stride + len(rows)]
+    return np.stack(rows)
 
 
 def _castable(got: np.dtype, want: np.dtype) -> bool:

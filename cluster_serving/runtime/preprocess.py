@@ -3,14 +3,23 @@
 Images arrive as their JPEG/PNG bytes and are decoded here, in the job, as `preprocess.images`
 says for that input; sparse tensors are densified. Both are checked against `limits` first, so
 a hostile request costs a header read, not a decompression bomb.
+
+A batch's images are decoded together (`decode_images`), in a pool of threads: JPEGs by
+libjpeg-turbo through simplejpeg, which lets go of the GIL while it works and decodes a large
+JPEG at a reduced size (DCT scaling) when the input is resized anyway; images of a fixed size
+are laid out and normalised straight into one batch array, whose rows the model then takes
+without another copy.
 """
 
 from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import numpy as np
+import simplejpeg
 from PIL import Image
 from PIL.JpegImagePlugin import JpegImageFile
 from PIL.PngImagePlugin import PngImageFile
@@ -24,7 +33,10 @@ DEFAULT_IMAGE = ImageConfig()
 # Only Pillow's JPEG and PNG plugins ever parse request bytes (Image.open would offer them to every
 # plugin it has, and runs its bomb check before ours can name the size), chosen by the magic bytes
 # those plugins accept.
-HEADER_READERS = ((b"\xff\xd8\xff", JpegImageFile), (b"\x89PNG\r\n\x1a\n", PngImageFile))
+JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
+HEADER_READERS = ((JPEG_MAGIC, JpegImageFile), (PNG_MAGIC, PngImageFile))
+# libjpeg-turbo's names of the colour spaces it converts from itself; others (CMYK, YCCK) go to Pillow.
+TURBO_COLORSPACES = {"Gray", "YCbCr", "RGB"}
 
 
 def prepare_values(
@@ -51,11 +63,43 @@ def configure_pillow(max_pixels: int) -> None:
 def decode_image(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray:
     """JPEG/PNG bytes -> a tensor laid out, typed and normalised as `config` says.
 
-    Whatever the bytes, this returns or raises InvalidInput: Pillow's decoders raise many kinds
-    of exception on hostile bytes (OSError, SyntaxError, struct.error, EOFError, MemoryError,
-    DecompressionBombError, ...) and one that escaped would restart the whole job."""
+    Whatever the bytes, this returns or raises InvalidInput: the decoders raise many kinds of
+    exception on hostile bytes (ValueError, OSError, SyntaxError, struct.error, EOFError,
+    MemoryError, DecompressionBombError, ...) and one that escaped would restart the whole job."""
+    pixels = _pixels_or_invalid(name, data, config, max_pixels)
+    out = np.empty(tensor_shape(pixels.shape, config), config.dtype)
+    lay_out(pixels, config, out)
+    return out
+
+
+def decode_images(
+    name: str, images: Sequence[bytes], config: ImageConfig, max_pixels: int, pool: Executor | None = None
+) -> list[np.ndarray | InvalidInput]:
+    """Each image of one input as decode_image makes it, or the InvalidInput that refuses it,
+    decoded in `pool` (None: in this thread). With a fixed size (`resize`), the arrays are the rows, in order, of one
+    batch array: a failed image takes no row, so the others stay consecutive."""
+    each = pool.map if pool is not None else map
+    decoded = list(each(lambda data: _pixels_or_error(name, data, config, max_pixels), images))
+    good = [pixels for pixels in decoded if not isinstance(pixels, InvalidInput)]
+    if config.resize is None or not good:
+        outs = [np.empty(tensor_shape(pixels.shape, config), config.dtype) for pixels in good]
+    else:
+        outs = list(np.empty((len(good), *tensor_shape(good[0].shape, config)), config.dtype))
+    list(each(lambda pair: lay_out(pair[0], config, pair[1]), zip(good, outs)))
+    rows = iter(outs)
+    return [pixels if isinstance(pixels, InvalidInput) else next(rows) for pixels in decoded]
+
+
+def _pixels_or_error(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray | InvalidInput:
     try:
-        return _layout(_decode_pixels(name, data, config, max_pixels), config)
+        return _pixels_or_invalid(name, data, config, max_pixels)
+    except InvalidInput as refused:
+        return refused
+
+
+def _pixels_or_invalid(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray:
+    try:
+        return _decode_pixels(name, data, config, max_pixels)
     except InvalidInput:
         raise
     except Exception as exc:
@@ -63,32 +107,70 @@ def decode_image(name: str, data: bytes, config: ImageConfig, max_pixels: int) -
 
 
 def _decode_pixels(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray:
-    """The image's pixels, HWC uint8, decoded only once its header's size is within the limit."""
+    """The image's pixels, HWC uint8 in the channel order of `config`, at its `resize` size;
+    decoded only once its header's size is within the limit."""
+    if data.startswith(JPEG_MAGIC):
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)  # the header only
+        _check_size(name, width, height, max_pixels)
+        if colorspace in TURBO_COLORSPACES:
+            return _resized(_decode_jpeg(data, config), config)
     reader = next((reader for magic, reader in HEADER_READERS if data.startswith(magic)), None)
     if reader is None:
         raise InvalidInput(f"image {name!r} does not decode: not JPEG or PNG")
     image = reader(io.BytesIO(data))  # reads the header only
-    width, height = image.size
+    _check_size(name, *image.size, max_pixels)
+    pixels = np.asarray(image.convert("L" if config.channels == "L" else "RGB"))
+    return _resized(pixels[:, :, ::-1] if config.channels == "BGR" else pixels, config)
+
+
+def _check_size(name: str, width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise InvalidInput(f"image {name!r}: {width}x{height} pixels, over the limit of {max_pixels}")
-    image = image.convert("L" if config.channels == "L" else "RGB")
-    if config.resize is not None:
-        image = image.resize((config.resize[1], config.resize[0]), Image.Resampling.BILINEAR)
-    return np.asarray(image)
 
 
-def _layout(array: np.ndarray, config: ImageConfig) -> np.ndarray:
-    """Decoded pixels -> the channels, dtype, normalisation and layout the model takes."""
-    if array.ndim == 2:
-        array = array[:, :, np.newaxis]
-    if config.channels == "BGR":
-        array = array[:, :, ::-1]
-    if config.dtype != "uint8":
-        array = array.astype(config.dtype) * np.asarray(config.scale, config.dtype)
-        if config.mean:
-            array = array - np.asarray(config.mean, config.dtype)
-        if config.std:
-            array = array / np.asarray(config.std, config.dtype)
+def _decode_jpeg(data: bytes, config: ImageConfig) -> np.ndarray:
+    """libjpeg-turbo's decode, at the smallest DCT scale not below the target size."""
+    height, width = config.resize or (0, 0)
+    colorspace = {"L": "GRAY", "BGR": "BGR"}.get(config.channels, "RGB")
+    return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=height, min_width=width)
+
+
+def _resized(pixels: np.ndarray, config: ImageConfig) -> np.ndarray:
+    if config.resize is None or pixels.shape[:2] == tuple(config.resize):
+        return pixels
+    image = Image.fromarray(pixels[:, :, 0] if pixels.ndim == 3 and pixels.shape[2] == 1 else pixels)
+    return np.asarray(image.resize((config.resize[1], config.resize[0]), Image.Resampling.BILINEAR))
+
+
+def tensor_shape(pixels_shape: tuple[int, ...], config: ImageConfig) -> tuple[int, int, int]:
+    """The tensor of an image of these pixels: HWC or CHW."""
+    height, width = pixels_shape[:2]
+    channels = 1 if config.channels == "L" else 3
+    return (channels, height, width) if config.layout == "CHW" else (height, width, channels)
+
+
+def lay_out(pixels: np.ndarray, config: ImageConfig, out: np.ndarray) -> None:
+    """Writes decoded pixels into `out` with the dtype, normalisation and layout the model takes,
+    reading them in `out`'s layout so that the writes are in order: (pixel * scale - mean) / std
+    as pixel * (scale / std) - mean / std."""
+    height, width = pixels.shape[:2]
     if config.layout == "CHW":
-        array = array.transpose(2, 0, 1)
-    return np.ascontiguousarray(array)
+        source, target, repeat = pixels.reshape(height, width, -1).transpose(2, 0, 1), out, 1
+    else:  # rows of width x channels values: long inner loops instead of ones of 3 channels
+        source, target, repeat = pixels.reshape(height, -1), out.reshape(height, -1), width
+    if config.dtype == "uint8":
+        np.copyto(target, source)
+        return
+    factor, offset = _affine(config)
+    np.multiply(source, np.tile(factor, repeat), out=target)
+    if offset is not None:
+        np.subtract(target, np.tile(offset, repeat), out=target)
+
+
+def _affine(config: ImageConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per-channel factor and offset, shaped to broadcast over the channel axis of the layout."""
+    std = np.asarray(config.std or (1.0,), np.float64)
+    shape = (-1, 1, 1) if config.layout == "CHW" else (-1,)
+    factor = (config.scale / std).astype(config.dtype).reshape(shape)
+    offset = (np.asarray(config.mean, np.float64) / std).astype(config.dtype).reshape(shape) if config.mean else None
+    return factor, offset

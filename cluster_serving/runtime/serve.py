@@ -12,7 +12,9 @@ operator at a time, to count them in the Flink UI.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cluster_serving.config import ServingConfig
@@ -50,6 +52,7 @@ class BatchServer:
         self.config = config
         configure_pillow(config.limits.max_image_pixels)
         self.servables = Servables(config)
+        self.decode_pool = ThreadPoolExecutor(config.model.decode_threads or os.cpu_count(), "decode")
 
     def serve_frame(self, frame: bytes) -> bytes:
         """A frame of requests (or of a routing table) in, the frame of their results out."""
@@ -93,7 +96,7 @@ class BatchServer:
 
     def serve(self, served: Served, version: int, instances: list[Message]) -> list[Outcome]:
         settings = served.servable.config
-        ready, errors = prepare_instances(instances, settings.preprocess.images, self.config.limits)
+        ready, errors = prepare_instances(instances, settings.preprocess.images, self.config.limits, self.decode_pool)
         ready, refused = apply_stage(served.preprocess, settings.preprocess.batched, ready, "preprocess")
         errors += refused
         if served.servable.is_pipeline:

@@ -1,0 +1,218 @@
+"""`cluster-serving bench stage`: the serving stage alone, beside raw ONNX Runtime on the same batches.
+
+The stage is cluster_serving.runtime's path for one micro-batch, as the job runs it: a frame as the
+JVM sends it (requests encoded as `InputQueue.enqueue` encodes them) -> decode -> serve (images
+decoded, the model run) -> encode -> the results' frame. No Kafka, no Flink, no Java: it runs
+wherever Python and ONNX Runtime do, a GPU machine included. From one run it prints, per input
+kind and batch size: raw ORT on a ready batch, raw ORT with inputs and outputs bound on the device
+(CUDA only), the serving stage, and the stage's time inside `session.run` apart.
+
+    cluster-serving bench stage --model conv224 --inputs tensor,jpeg --batch 32,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from PIL import Image
+
+from bench.models import build_cnn, build_conv224, build_resnet50
+from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.ops.sample_model import build_sample_model
+from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
+from cluster_serving.runtime.model import open_session
+from cluster_serving.runtime.repository import RoutingTable, scan
+from cluster_serving.runtime.serve import BatchServer
+from cluster_serving.wire.codec import decode_message
+from cluster_serving.wire.inputs import encode_request
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "mlp": build_sample_model, "cnn": build_cnn, "conv224": build_conv224, "resnet50": build_resnet50,
+}
+# ImageNet's normalisation, as image classifiers take their inputs.
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+JPEG_QUALITY = 90
+
+
+@dataclass
+class Row:
+    model: str
+    inputs: str
+    batch: int
+    device: str
+    raw_ort: float
+    raw_ort_bound: float | None
+    stage: float
+    stage_in_run: float  # the share of the stage's time inside session.run
+
+    @property
+    def ratio(self) -> float:
+        return self.stage / (self.raw_ort_bound or self.raw_ort)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cluster-serving bench stage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="conv224", help=f"{', '.join(BUILDERS)} or the path of an ONNX model")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--inputs", default="tensor,jpeg", help="request kinds: tensor, jpeg (image models only)")
+    parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's intra-op threads (0: one per core)")
+    parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per measurement")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="stage-bench-") as scratch:
+        model = model_file(args.model, Path(scratch))
+        rows = [
+            measure(model, args.model, kind, int(batch), args)
+            for kind in args.inputs.split(",") for batch in args.batch.split(",")
+        ]
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(row) | {"ratio": row.ratio} for row in rows], indent=2))
+    return 0
+
+
+def model_file(name: str, folder: Path) -> Path:
+    if name in BUILDERS:
+        return BUILDERS[name](folder / f"{name}.onnx")
+    path = Path(name)
+    if not path.is_file():
+        sys.exit(f"error: --model: {name} is neither a built-in model ({', '.join(BUILDERS)}) nor a file")
+    return path
+
+
+def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> Row:
+    session = open_session(model, args.device, args.threads)
+    spec = session.get_inputs()[0]
+    shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
+    samples = np.random.default_rng(0).random(shape, dtype=np.float32)
+    raw = raw_ort(session, {spec.name: samples}, batch, args.seconds)
+    bound = raw_ort_bound(session, {spec.name: samples}, batch, args.seconds) if args.device == "cuda" else None
+    config = stage_config(model, spec.name, kind, shape, batch, args)
+    records = requests(spec.name, kind, samples)
+    stage, in_run = serving_stage(config, records, batch, args.seconds)
+    return Row(label, kind, batch, args.device, raw, bound, stage, in_run)
+
+
+def raw_ort(session: ort.InferenceSession, feed: dict[str, np.ndarray], batch: int, seconds: float) -> float:
+    """Requests/s of session.run on a ready batch."""
+    return batch / _per_call(lambda: session.run(None, feed), seconds)
+
+
+def raw_ort_bound(session: ort.InferenceSession, feed: dict[str, np.ndarray], batch: int, seconds: float) -> float:
+    """Requests/s with inputs copied to the device once and outputs left there (I/O binding)."""
+    binding = session.io_binding()
+    for name, value in feed.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0))
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cuda", 0)
+    return batch / _per_call(lambda: session.run_with_iobinding(binding), seconds)
+
+
+def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, args: argparse.Namespace) -> ServingConfig:
+    overrides = {
+        "model.path": str(model), "model.threads": args.threads, "device": args.device,
+        "batching.batch_size": batch, "limits.max_instance_bytes": 64 << 20,
+    }
+    if kind == "jpeg":
+        channels_first = shape[1] == 3
+        height, width = shape[2:4] if channels_first else shape[1:3]
+        overrides["preprocess.images"] = {name: {
+            "resize": [height, width], "layout": "CHW" if channels_first else "HWC", "dtype": "float32",
+            "mean": list(MEAN), "std": list(STD),
+        }}
+    return load_config(overrides=overrides)
+
+
+def requests(name: str, kind: str, samples: np.ndarray) -> list[tuple[str, bytes]]:
+    """(uri, request bytes) per instance, as InputQueue.enqueue writes them: the tensor, or a JPEG
+    of it (its pixels, smooth enough to compress as photos do)."""
+    if kind == "tensor":
+        return [(f"r{i}", encode_request(f"r{i}", {name: row})) for i, row in enumerate(samples)]
+    if kind != "jpeg" or samples.ndim != 4 or 3 not in (samples.shape[1], samples.shape[3]):
+        sys.exit(f"error: --inputs: {kind} requests need an image model (3 channels); this one takes {samples.shape[1:]}")
+    return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(jpeg(row)).decode()}})) for i, row in enumerate(samples)]
+
+
+def jpeg(instance: np.ndarray) -> bytes:
+    pixels = instance.transpose(1, 2, 0) if instance.shape[0] == 3 else instance
+    height, width = pixels.shape[:2]
+    y, x = np.mgrid[0:height, 0:width]
+    smooth = (np.stack([x / width, y / height, (x + y) / (width + height)], axis=2) * 200 + pixels * 55).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(smooth).save(out, "JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
+
+
+def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, seconds: float) -> tuple[float, float]:
+    """Requests/s of BatchServer.serve_frame over the batch's frame, and the share of that time
+    inside session.run; every result is checked to be one."""
+    server = BatchServer(config)
+    server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
+    served, version = server.servables.resolve("", "")
+    session = served.models[version].session
+    frame = write_batch_frame("", "", records)
+    results = [decode_message(bytes(payload), 64 << 20) for _, payload in read_result_frame(server.serve_frame(frame))]
+    if len(results) != batch or any(result.error for result in results):
+        sys.exit(f"error: the stage answered {len(results)} results for {batch} requests: {results[0].error}")
+    in_run = [0.0]
+    run = session.run
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            in_run[0] += time.perf_counter() - started
+
+    session.run = timed_run
+    calls = [0]
+
+    def serve() -> None:
+        calls[0] += 1
+        server.serve_frame(frame)
+
+    per_call = _per_call(serve, seconds, reset=lambda: (in_run.__setitem__(0, 0.0), calls.__setitem__(0, 0)))
+    return batch / per_call, in_run[0] / (per_call * calls[0])
+
+
+def _per_call(call: Callable[[], object], seconds: float, reset: Callable[[], object] = lambda: None) -> float:
+    """Seconds per call, over `seconds` after a warm-up of three calls."""
+    for _ in range(3):
+        call()
+    reset()
+    count, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds or count < 3:
+        call()
+        count += 1
+    return elapsed / count
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'model':<10} {'inputs':<7} {'batch':>5} {'device':<6} {'raw ORT':>10} {'raw bound':>10} "
+          f"{'stage':>10} {'in run':>7} {'stage/raw':>9}")
+    for row in rows:
+        bound = f"{row.raw_ort_bound:10,.0f}" if row.raw_ort_bound else f"{'-':>10}"
+        print(f"{row.model:<10} {row.inputs:<7} {row.batch:>5} {row.device:<6} {row.raw_ort:10,.0f} {bound} "
+              f"{row.stage:10,.0f} {row.stage_in_run:7.0%} {row.ratio:9.3f}")
+    print("req/s; 'in run': the stage's share of time inside session.run; stage/raw: against raw ORT "
+          "with I/O bound where measured, else plain raw ORT, same batch and threads")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
