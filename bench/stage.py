@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import importlib
 import io
 import json
 import sys
@@ -22,14 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from bench.models import build_cnn, build_conv224, build_resnet50
 from cluster_serving.config import ServingConfig, load_config
-from cluster_serving.ops.sample_model import build_sample_model
 from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
@@ -37,8 +37,10 @@ from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.inputs import encode_request
 
-BUILDERS: dict[str, Callable[[Path], Path]] = {
-    "mlp": build_sample_model, "cnn": build_cnn, "conv224": build_conv224, "resnet50": build_resnet50,
+# Built-in models by name: the builder's module and function (imported when used: they need onnx).
+BUILDERS = {
+    "mlp": ("cluster_serving.ops.sample_model", "build_sample_model"), "cnn": ("bench.models", "build_cnn"),
+    "conv224": ("bench.models", "build_conv224"), "resnet50": ("bench.models", "build_resnet50"),
 }
 # ImageNet's normalisation, as image classifiers take their inputs.
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -89,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def model_file(name: str, folder: Path) -> Path:
     if name in BUILDERS:
-        return BUILDERS[name](folder / f"{name}.onnx")
+        module, function = BUILDERS[name]
+        build: Callable[[Path], Path] = getattr(importlib.import_module(module), function)
+        return build(folder / f"{name}.onnx")
     path = Path(name)
     if not path.is_file():
-        sys.exit(f"error: --model: {name} is neither a built-in model ({', '.join(BUILDERS)}) nor a file")
+        fail(f"--model: {name} is neither a built-in model ({', '.join(BUILDERS)}) nor a file")
     return path
 
 
@@ -145,7 +149,7 @@ def requests(name: str, kind: str, samples: np.ndarray) -> list[tuple[str, bytes
     if kind == "tensor":
         return [(f"r{i}", encode_request(f"r{i}", {name: row})) for i, row in enumerate(samples)]
     if kind != "jpeg" or samples.ndim != 4 or 3 not in (samples.shape[1], samples.shape[3]):
-        sys.exit(f"error: --inputs: {kind} requests need an image model (3 channels); this one takes {samples.shape[1:]}")
+        fail(f"--inputs: {kind} requests need an image model (3 channels); this one takes {samples.shape[1:]}")
     return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(jpeg(row)).decode()}})) for i, row in enumerate(samples)]
 
 
@@ -168,8 +172,9 @@ def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch
     session = served.models[version].session
     frame = write_batch_frame("", "", records)
     results = [decode_message(bytes(payload), 64 << 20) for _, payload in read_result_frame(server.serve_frame(frame))]
-    if len(results) != batch or any(result.error for result in results):
-        sys.exit(f"error: the stage answered {len(results)} results for {batch} requests: {results[0].error}")
+    errors = [result.error for result in results if result.error]
+    if len(results) != batch or errors:
+        fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
     in_run = [0.0]
     run = session.run
 
@@ -201,6 +206,12 @@ def _per_call(call: Callable[[], object], seconds: float, reset: Callable[[], ob
         call()
         count += 1
     return elapsed / count
+
+
+def fail(message: str) -> NoReturn:
+    """A mistake in the options, or a stage that does not serve: one line, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def print_table(rows: list[Row]) -> None:

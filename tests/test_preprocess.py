@@ -8,6 +8,7 @@ import io
 import struct
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ from PIL import Image
 from cluster_serving.config import ImageConfig, LimitsConfig, load_config
 from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.runtime.postprocess import top_n
-from cluster_serving.runtime.preprocess import configure_pillow, decode_image, prepare_values
+from cluster_serving.runtime.model import stack_rows
+from cluster_serving.runtime.preprocess import configure_pillow, decode_image, decode_images, prepare_values
 from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, decode_message, encode_message
 from cluster_serving.wire.inputs import json_inputs, wire_value
 from cluster_serving.wire.kinds import KINDS, DenseKind, ImageKind, SparseKind, kind_of
@@ -245,3 +247,53 @@ def test_image_config_is_validated() -> None:
     ]:
         with pytest.raises(ValueError, match=reason):
             load_config(overrides={"preprocess.images": {"img": bad}})
+
+
+def jpeg_bytes(pixels: np.ndarray, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+def test_a_batch_of_images_decodes_in_a_pool_into_consecutive_rows_and_bad_ones_fail_alone() -> None:
+    """Good JPEGs and PNGs between a corrupt JPEG, a truncated one and one over the pixel limit:
+    each bad image is its own InvalidInput, whichever thread met it, and the good ones are what
+    decode_image makes of them, as consecutive rows of one array that the model takes as it is."""
+    rng = np.random.default_rng(3)
+    photos = [rng.integers(0, 256, (12, 16, 3), dtype=np.uint8) for _ in range(5)]
+    good = [jpeg_bytes(photos[0]), png(photos[1]), jpeg_bytes(photos[2]), jpeg_bytes(photos[3]), png(photos[4])]
+    bad = [b"\xff\xd8\xff" + b"\x00" * 64, jpeg_bytes(photos[0])[:100], jpeg_header(400, 400)]
+    images = [good[0], bad[0], good[1], good[2], bad[1], good[3], bad[2], good[4]]
+    config = ImageConfig(resize=(6, 8), layout="CHW", dtype="float32", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    with ThreadPoolExecutor(2) as pool:
+        decoded = decode_images("photo", images, config, 10_000, pool)
+    refused = [str(item) for item in decoded if isinstance(item, InvalidInput)]
+    assert [isinstance(item, InvalidInput) for item in decoded] == [False, True, False, False, True, False, True, False]
+    assert refused[0].startswith("image 'photo' does not decode: ") and refused[1].startswith("image 'photo' does not decode: ")
+    assert refused[2] == "image 'photo': 400x400 pixels, over the limit of 10000"
+    rows = [item for item in decoded if not isinstance(item, InvalidInput)]
+    for row, data in zip(rows, good):
+        np.testing.assert_allclose(row, decode_image("photo", data, config, 10_000), rtol=1e-6)
+    batch = stack_rows(rows)
+    assert batch.shape == (5, 3, 6, 8) and np.shares_memory(batch, rows[0])  # the rows' own array, no copy
+
+
+def test_large_jpegs_decode_at_a_reduced_scale_then_resize() -> None:
+    """A JPEG four times the target size per side decodes by DCT scaling (libjpeg-turbo), then
+    resizes: close to decoding it whole and resizing, at a fraction of the work."""
+    y, x = np.mgrid[0:256, 0:256]
+    smooth = np.stack([x, y, (x + y) // 2], axis=2).astype(np.uint8)
+    data = jpeg_bytes(smooth, quality=95)
+    scaled = decode_image("i", data, ImageConfig(resize=(64, 64)), 1 << 20)
+    whole = np.asarray(Image.open(io.BytesIO(data)).convert("RGB").resize((64, 64), Image.Resampling.BILINEAR))
+    assert scaled.shape == (64, 64, 3)
+    assert np.abs(scaled.astype(int) - whole.astype(int)).mean() < 2
+
+
+def test_stack_rows_copies_rows_that_are_not_one_arrays_consecutive_rows() -> None:
+    batch = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
+    assert np.shares_memory(stack_rows([batch[1], batch[2], batch[3]]), batch)
+    for rows in ([batch[0], batch[2]], [batch[1], batch[0]], [batch[0], np.ones((2, 3), np.float32)]):
+        stacked = stack_rows(rows)
+        assert not np.shares_memory(stacked, batch)
+        np.testing.assert_array_equal(stacked, np.stack(rows))

@@ -11,6 +11,7 @@
                                                a local standalone Flink cluster, and the job on it
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
+    cluster-serving bench stage                the serving stage alone (no Kafka, no Flink) against raw ONNX Runtime
 
 A mistake (a config value, the model, a port in use, another instance in the way, no broker, no
 Java) is one `error: ...` line on stderr and exit code 2, found before anything starts;
@@ -275,8 +276,8 @@ def parser() -> argparse.ArgumentParser:
     cluster.add_argument("--task-slots", type=int, default=2, help="up: slots per TaskManager")
     cluster.add_argument("--rest-port", type=int, default=8081, help="up: the web UI and REST API's port on 127.0.0.1")
 
-    # Listed for --help only: main() hands `bench ...` to bench.run with all its options.
-    commands.add_parser("bench", help="end-to-end benchmark; its options: cluster-serving bench --help")
+    # Listed for --help only: main() hands `bench ...` to bench.run, `bench stage ...` to bench.stage.
+    commands.add_parser("bench", help="end-to-end benchmark (cluster-serving bench --help); the serving stage alone: bench stage --help")
     return root
 
 
@@ -314,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "--verbose" in argv
     command = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
     try:
+        if argv[command:command + 2] == ["bench", "stage"]:
+            run_external("bench.stage", argv[command + 2:])
         if argv[command:command + 1] == ["bench"]:
             run_external("bench.run", argv[command + 1:])
         args = parser().parse_args(argv)

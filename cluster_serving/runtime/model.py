@@ -131,16 +131,18 @@ class OnnxModel:
 
 
 def stack_rows(rows: list[np.ndarray]) -> np.ndarray:
-    """The rows as one array along a new first dimension: when they are consecutive rows of one
-    array already (decode_images lays a batch's images out so), that array's slice, not a copy."""
-    base = rows[0].base
-    if (
-        isinstance(base, np.ndarray) and base.flags.c_contiguous and base.shape[1:] == rows[0].shape
-        and base.dtype == rows[0].dtype and all(row.base is base for row in rows)
+    """The rows as one array along a new first dimension: when they lie one after another in
+    memory already (decode_images lays a batch's images out so), a view of them, not a copy."""
+    first = rows[0]
+    step = first.nbytes
+    if first.flags.c_contiguous and all(
+        row.dtype == first.dtype and row.shape == first.shape and row.flags.c_contiguous
+        and row.ctypes.data == first.ctypes.data + i * step
+        for i, row in enumerate(rows)
     ):
-        start, stride = rows[0].ctypes.data - base.ctypes.data, base.strides[0]
-        if start % stride == 0 and all(row.ctypes.data == rows[0].ctypes.data + i * stride for i, row in enumerate(rows)):
-            return base[start // stride:start // stride + len(rows)]
+        # Each row is memory an array holds and they adjoin: the span is theirs while the caller
+        # keeps the rows, as run_stacked does for its runs. Read only.
+        return np.lib.stride_tricks.as_strided(first, (len(rows), *first.shape), (step, *first.strides), writeable=False)
     return np.stack(rows)
 
 

@@ -1,0 +1,42 @@
+"""`cluster-serving bench stage`: the serving stage beside raw ONNX Runtime, in a Python process
+that loads neither Flink, nor a Kafka client, nor the HTTP stack."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.paths import PROJECT_ROOT
+
+PROBE = """
+import json, sys
+from bench.stage import main
+main(sys.argv[1:])
+print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'pyflink', 'py4j', 'kafka', 'confluent_kafka', 'fastapi', 'uvicorn'})))
+"""
+
+
+def test_the_stage_bench_measures_tensor_and_jpeg_requests_without_kafka_or_flink(tmp_path: Path) -> None:
+    out = tmp_path / "stage.json"
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, "--model", "conv224", "--inputs", "tensor,jpeg", "--batch", "4,8",
+         "--seconds", "0.2", "--threads", "1", "--json", str(out)],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"  # none of those modules loaded
+    rows = json.loads(out.read_text())
+    assert [(row["inputs"], row["batch"]) for row in rows] == [("tensor", 4), ("tensor", 8), ("jpeg", 4), ("jpeg", 8)]
+    for row in rows:
+        assert row["raw_ort"] > 0 and row["stage"] > 0 and 0 < row["stage_in_run"] <= 1 and row["raw_ort_bound"] is None
+        assert row["ratio"] == row["stage"] / row["raw_ort"]
+    assert "conv224    jpeg" in run.stdout
+
+
+def test_the_cli_hands_bench_stage_to_the_stage_bench(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "cluster_serving.ops.cli", "bench", "stage", "--model", "nowhere.onnx"],
+                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "error: --model: nowhere.onnx is neither a built-in model (mlp, cnn, conv224, resnet50) nor a file")
