@@ -129,10 +129,12 @@ def _check_size(name: str, width: int, height: int, max_pixels: int) -> None:
 
 
 def _decode_jpeg(data: bytes, config: ImageConfig) -> np.ndarray:
-    """libjpeg-turbo's decode, at the smallest DCT scale not below the target size."""
+    """libjpeg-turbo's decode; a JPEG at least twice the target size on each side decodes at the
+    smallest DCT scale (1/2, 1/4, 1/8) not below it. A smaller one decodes whole, pixel for pixel
+    as Pillow decodes it."""
     height, width = config.resize or (0, 0)
     colorspace = {"L": "GRAY", "BGR": "BGR"}.get(config.channels, "RGB")
-    return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=height, min_width=width)
+    return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=height, min_width=width, min_factor=2)
 
 
 def _resized(pixels: np.ndarray, config: ImageConfig) -> np.ndarray:
