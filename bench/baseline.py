@@ -20,14 +20,16 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ServingConfig, load_config
 from cluster_serving.runtime.model import OnnxModel
+from cluster_serving.runtime.preprocess import prepare_values
 from cluster_serving.wire.codec import Message, decode_message, encode_message
 
 READY_LINE = "plain loop: consuming "
 
 
 def serve(config: ServingConfig, result_topic: str) -> None:
-    """Poll, decode, stack and run (in runs of the job's batching.run_batch_size, as the job's
-    OnnxModel.run_stacked does), encode, produce, flush: forever."""
+    """Poll, decode (images one at a time, as preprocess.images says), stack and run (in runs of
+    the job's batching.run_batch_size, as the job's OnnxModel.run_stacked does), encode, produce,
+    flush: forever."""
     kafka = config.kafka
     model = OnnxModel(config.model.path, config.device, threads=config.model.threads)
     consumer = KafkaConsumer(
@@ -50,7 +52,8 @@ def serve(config: ServingConfig, result_topic: str) -> None:
         if not records:
             continue
         messages = [decode_message(record.value, config.limits.max_instance_bytes) for record in records]
-        results = model.run_stacked([message.tensors for message in messages], config.batching.run_batch_size)
+        feeds = [prepare_values(message.tensors, config.preprocess.images, config.limits) for message in messages]
+        results = model.run_stacked(feeds, config.batching.run_batch_size)
         for i, message in enumerate(messages):
             tensors = {name: values[i] for name, values in results.items()}
             producer.send(result_topic, key=message.uri.encode(), value=encode_message(Message(message.uri, tensors)))

@@ -4,6 +4,7 @@ they see it."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 
 from bench.models import BenchModel
 from bench.report import latency_ms
+from cluster_serving.wire.codec import EncodedImage
 
 # Distinct request bodies, encoded before the clients start so their encoding is not timed.
 HTTP_BODIES = 16
@@ -38,8 +40,9 @@ def predict_requests(model: BenchModel, samples: np.ndarray) -> list[HttpRequest
     return [_binary(model, sample) if model.http_binary else _json(model, sample) for sample in samples[:HTTP_BODIES]]
 
 
-def _json(model: BenchModel, sample: np.ndarray) -> HttpRequest:
-    return HttpRequest("/predict", json.dumps({"instances": [{model.input_name: sample.tolist()}]}).encode(), JSON_HEADERS)
+def _json(model: BenchModel, sample: np.ndarray | EncodedImage) -> HttpRequest:
+    value = {"b64": base64.b64encode(sample.data).decode()} if isinstance(sample, EncodedImage) else sample.tolist()
+    return HttpRequest("/predict", json.dumps({"instances": [{model.input_name: value}]}).encode(), JSON_HEADERS)
 
 
 def _binary(model: BenchModel, sample: np.ndarray) -> HttpRequest:

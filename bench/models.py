@@ -7,13 +7,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from bench.images import image_settings, photo_jpeg
 from cluster_serving.ops.sample_model import CLASSES, FEATURES, build_sample_model, save_graph
+from cluster_serving.wire.codec import EncodedImage
 
 CNN_INPUT = "input"
 CNN_SHAPE = (3, 64, 64)
@@ -35,14 +37,23 @@ class BenchModel:
     http_binary: bool = False
     # ONNX Runtime's run size within a batch (batching.run_batch_size; 0: the whole batch).
     run_batch_size: int = 0
+    # Requests are JPEG images of the input's size, decoded by the job as these preprocess.images
+    # settings of its input say, instead of tensors.
+    images: dict | None = None
 
-    @property
+    @cached_property
     def instance_bytes(self) -> int:
+        """A request's payload: its tensor's bytes, or its JPEG's on average."""
+        if self.images is not None:
+            return round(np.mean([len(sample.data) for sample in self.samples(64)]))
         return math.prod(self.instance_shape) * np.dtype(np.float32).itemsize
 
-    def samples(self, count: int) -> np.ndarray:
-        """`count` distinct float32 instances from a fixed seed (requests cycle through them)."""
+    def samples(self, count: int) -> np.ndarray | list[EncodedImage]:
+        """`count` distinct instances from a fixed seed (requests cycle through them): float32
+        tensors, or for an image model JPEGs of that size."""
         rng = np.random.default_rng(0)
+        if self.images is not None:
+            return [EncodedImage(photo_jpeg(rng.random(self.instance_shape))) for _ in range(count)]
         return rng.normal(size=(count, *self.instance_shape)).astype(np.float32)
 
 
@@ -150,5 +161,10 @@ def bench_models(hidden: int) -> dict[str, BenchModel]:
             # of activations, one of 1 stays in the core's 2 MiB cache (raw ORT 1,493-1,549 req/s in
             # runs of 1 or 2, 1,170-1,191 in runs of 32).
             run_batch_size=1,
+        ),
+        "jpeg": BenchModel(
+            "jpeg", f"224x224 JPEG requests -> {'x'.join(map(str, CONV224_SHAPE))} float32 -> one conv16/4 -> {CLASSES}",
+            "input", CONV224_SHAPE, build_conv224, requests=8_000,
+            images={"input": image_settings(*CONV224_SHAPE[1:])},
         ),
     }

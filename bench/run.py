@@ -335,7 +335,8 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     """Phases 2 to 5 for one model against the broker at `bootstrap`; the job starts only once the
     plain loop has stopped, so neither shares the cores with the other."""
     run_size = model.run_batch_size if args.run_batch_size is None else args.run_batch_size
-    config = run_config(folder, model_path, bootstrap, args, run_size)
+    images = {"preprocess": {"images": model.images}} if model.images else {}
+    config = run_config(folder, model_path, bootstrap, args, run_size, **images)
     config_path = config.source
     plain_topic = f"{config.kafka.result_topic}-plain-loop"
     ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))

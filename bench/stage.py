@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib
-import io
 import json
 import sys
 import tempfile
@@ -27,8 +26,7 @@ from typing import NoReturn
 
 import numpy as np
 import onnxruntime as ort
-from PIL import Image
-
+from bench.images import image_settings, photo_jpeg
 from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime.model import open_session
@@ -42,9 +40,6 @@ BUILDERS = {
     "mlp": ("cluster_serving.ops.sample_model", "build_sample_model"), "cnn": ("bench.models", "build_cnn"),
     "conv224": ("bench.models", "build_conv224"), "resnet50": ("bench.models", "build_resnet50"),
 }
-# ImageNet's normalisation, as image classifiers take their inputs.
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-JPEG_QUALITY = 90
 
 
 @dataclass
@@ -136,10 +131,7 @@ def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batc
     if kind == "jpeg":
         channels_first = shape[1] == 3
         height, width = shape[2:4] if channels_first else shape[1:3]
-        overrides["preprocess.images"] = {name: {
-            "resize": [height, width], "layout": "CHW" if channels_first else "HWC", "dtype": "float32",
-            "mean": list(MEAN), "std": list(STD),
-        }}
+        overrides["preprocess.images"] = {name: {**image_settings(height, width), "layout": "CHW" if channels_first else "HWC"}}
     return load_config(overrides=overrides)
 
 
@@ -150,17 +142,7 @@ def requests(name: str, kind: str, samples: np.ndarray) -> list[tuple[str, bytes
         return [(f"r{i}", encode_request(f"r{i}", {name: row})) for i, row in enumerate(samples)]
     if kind != "jpeg" or samples.ndim != 4 or 3 not in (samples.shape[1], samples.shape[3]):
         fail(f"--inputs: {kind} requests need an image model (3 channels); this one takes {samples.shape[1:]}")
-    return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(jpeg(row)).decode()}})) for i, row in enumerate(samples)]
-
-
-def jpeg(instance: np.ndarray) -> bytes:
-    pixels = instance.transpose(1, 2, 0) if instance.shape[0] == 3 else instance
-    height, width = pixels.shape[:2]
-    y, x = np.mgrid[0:height, 0:width]
-    smooth = (np.stack([x / width, y / height, (x + y) / (width + height)], axis=2) * 200 + pixels * 55).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(smooth).save(out, "JPEG", quality=JPEG_QUALITY)
-    return out.getvalue()
+    return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(photo_jpeg(row)).decode()}})) for i, row in enumerate(samples)]
 
 
 def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, seconds: float) -> tuple[float, float]:
