@@ -39,6 +39,7 @@ class ServeBatch(MapFunction):
 
     def __init__(self, config: ServingConfig):
         self.config = config
+        self.server: BatchServer | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.server = BatchServer(self.config)
@@ -49,6 +50,10 @@ class ServeBatch(MapFunction):
         # lives as long as the job: frozen, Python's collector no longer walks it in each full
         # collection, which paused every request in flight.
         gc.freeze()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
     def map(self, value: DecodedBatch) -> list[Outcome]:
         outcomes, stats = self.server.serve_batch(value)

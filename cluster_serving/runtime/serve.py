@@ -54,6 +54,10 @@ class BatchServer:
         self.servables = Servables(config)
         self.decode_pool = ThreadPoolExecutor(config.model.decode_threads or os.cpu_count(), "decode")
 
+    def close(self) -> None:
+        """Lets the decode threads go (they start with the first batch of images)."""
+        self.decode_pool.shutdown(wait=False)
+
     def serve_frame(self, frame: bytes) -> bytes:
         """A frame of requests (or of a routing table) in, the frame of their results out."""
         batch = decode_frame(frame, self.config.limits)
