@@ -23,11 +23,11 @@ from tests.paths import PROJECT_ROOT
 
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 DEMO_PORTS = (9092, 8081, 10020)  # broker, Flink web UI, HTTP bridge
-# What the runtime needs beyond the standard library: numpy, pyarrow, pyyaml, pydantic and
-# Pillow, ONNX Runtime; as top-level names of site-packages (dist-info folders aside).
+# What the runtime needs beyond the standard library: numpy, pyarrow, pyyaml, pydantic, Pillow,
+# simplejpeg and ONNX Runtime; as top-level names of site-packages (dist-info folders aside).
 RUNTIME_PACKAGES = (
     "numpy", "numpy.libs", "pyarrow", "yaml", "_yaml", "pydantic", "pydantic_core", "annotated_types",
-    "typing_extensions.py", "typing_inspection", "PIL", "pillow.libs", "onnxruntime",
+    "typing_extensions.py", "typing_inspection", "PIL", "pillow.libs", "simplejpeg", "onnxruntime",
 )
 
 
