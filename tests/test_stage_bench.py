@@ -35,8 +35,13 @@ def test_the_stage_bench_measures_tensor_and_jpeg_requests_without_kafka_or_flin
     assert "conv224    jpeg" in run.stdout
 
 
-def test_the_cli_hands_bench_stage_to_the_stage_bench(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "cluster_serving.ops.cli", "bench", "stage", "--model", "nowhere.onnx"],
-                         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+def test_the_command_hands_bench_stage_to_the_stage_bench_in_a_clone(tmp_path: Path) -> None:
+    """The installed `cluster-serving` command, as `./run.sh bench` runs it: in the clone it finds
+    bench/; elsewhere it says where to run it."""
+    command = [str(Path(sys.executable).parent / "cluster-serving"), "bench", "stage", "--model", "nowhere.onnx"]
+    run = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.strip() == (
         "error: --model: nowhere.onnx is neither a built-in model (mlp, cnn, conv224, resnet50) nor a file")
+    elsewhere = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode == 2 and elsewhere.stderr.strip() == (
+        "error: bench/ is not in the working folder: it runs from a clone of the repository (./run.sh bench)")

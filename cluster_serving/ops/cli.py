@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import signal
@@ -295,9 +294,10 @@ def stop_on(*signums: signal.Signals) -> None:
 def run_external(module: str, argv: list[str]) -> None:
     """Replaces this process with `python -m module argv`, the way git runs `git-<name>` commands:
     the benchmark is a development tool beside the product, so the CLI names it but never imports it."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise ConfigError(f"{module.split('.')[0]} is not installed: it runs from a clone of the repository (./run.sh bench)")
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+    folder = module.split(".")[0]
+    if not (Path.cwd() / folder / "__init__.py").is_file():
+        raise ConfigError(f"{folder}/ is not in the working folder: it runs from a clone of the repository (./run.sh bench)")
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])  # -m: the working folder first on the path
 
 
 def error_line(exc: BaseException) -> str:
