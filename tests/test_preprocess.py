@@ -18,6 +18,7 @@ from PIL import Image
 from cluster_serving.config import ImageConfig, LimitsConfig, load_config
 from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.runtime.postprocess import top_n
+from cluster_serving.runtime import preprocess
 from cluster_serving.runtime.model import stack_rows
 from cluster_serving.runtime.preprocess import configure_pillow, decode_image, decode_images, prepare_values
 from cluster_serving.wire.codec import EncodedImage, Message, SparseTensor, decode_message, encode_message
@@ -297,3 +298,19 @@ def test_stack_rows_copies_rows_that_are_not_one_arrays_consecutive_rows() -> No
         stacked = stack_rows(rows)
         assert not np.shares_memory(stacked, batch)
         np.testing.assert_array_equal(stacked, np.stack(rows))
+
+
+def test_an_unforeseen_error_laying_out_one_image_is_that_images_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = preprocess.lay_out
+
+    def lay_out(pixels: np.ndarray, config: ImageConfig, out: np.ndarray) -> None:
+        if pixels[0, 0, 0] == 7:
+            raise MemoryError("no room")
+        real(pixels, config, out)
+
+    monkeypatch.setattr(preprocess, "lay_out", lay_out)
+    pixels = [np.full((6, 8, 3), value, np.uint8) for value in (1, 7, 3)]
+    with ThreadPoolExecutor(2) as pool:
+        decoded = decode_images("i", [png(p) for p in pixels], ImageConfig(resize=(6, 8)), 10_000, pool)
+    assert isinstance(decoded[1], InvalidInput) and str(decoded[1]) == "image 'i' does not decode: MemoryError: no room"
+    assert [row[0, 0, 0] for row in (decoded[0], decoded[2])] == [1, 3]

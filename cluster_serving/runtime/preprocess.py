@@ -76,8 +76,8 @@ def decode_images(
     name: str, images: Sequence[bytes], config: ImageConfig, max_pixels: int, pool: Executor | None = None
 ) -> list[np.ndarray | InvalidInput]:
     """Each image of one input as decode_image makes it, or the InvalidInput that refuses it,
-    decoded in `pool` (None: in this thread). With a fixed size (`resize`), the arrays are the rows, in order, of one
-    batch array: a failed image takes no row, so the others stay consecutive."""
+    decoded in `pool` (None: in this thread). With a fixed size (`resize`), the arrays are the
+    rows, in order, of one batch array: a failed image takes no row, so the others adjoin."""
     each = pool.map if pool is not None else map
     decoded = list(each(lambda data: _pixels_or_error(name, data, config, max_pixels), images))
     good = [pixels for pixels in decoded if not isinstance(pixels, InvalidInput)]
@@ -85,9 +85,16 @@ def decode_images(
         outs = [np.empty(tensor_shape(pixels.shape, config), config.dtype) for pixels in good]
     else:
         outs = list(np.empty((len(good), *tensor_shape(good[0].shape, config)), config.dtype))
-    list(each(lambda pair: lay_out(pair[0], config, pair[1]), zip(good, outs)))
-    rows = iter(outs)
-    return [pixels if isinstance(pixels, InvalidInput) else next(rows) for pixels in decoded]
+    laid = iter(list(each(lambda pair: _laid_out_or_error(name, *pair, config), zip(good, outs))))
+    return [pixels if isinstance(pixels, InvalidInput) else next(laid) for pixels in decoded]
+
+
+def _laid_out_or_error(name: str, pixels: np.ndarray, out: np.ndarray, config: ImageConfig) -> np.ndarray | InvalidInput:
+    try:
+        lay_out(pixels, config, out)
+    except Exception as exc:  # no check foresees one; still that image's alone
+        return InvalidInput(f"image {name!r} does not decode: {type(exc).__name__}: {exc}")
+    return out
 
 
 def _pixels_or_error(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray | InvalidInput:
