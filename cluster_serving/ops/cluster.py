@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import TracebackType
 
 import pyflink
 import yaml
@@ -223,13 +222,6 @@ class StandaloneCluster:
         for pid in self.processes():
             log.warning("Flink process %d still running after stop-cluster.sh: killing it", pid)
             os.kill(pid, signal.SIGKILL)
-
-    def __enter__(self) -> StandaloneCluster:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def _last_error(output: str) -> str:
