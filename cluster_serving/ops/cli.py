@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import signal
@@ -295,7 +296,7 @@ def run_external(module: str, argv: list[str]) -> None:
     """Replaces this process with `python -m module argv`, the way git runs `git-<name>` commands:
     the benchmark is a development tool beside the product, so the CLI names it but never imports it."""
     folder = module.split(".")[0]
-    if not (Path.cwd() / folder / "__init__.py").is_file():
+    if importlib.util.find_spec(folder) is None and not (Path.cwd() / folder / "__init__.py").is_file():
         raise ConfigError(f"{folder}/ is not in the working folder: it runs from a clone of the repository (./run.sh bench)")
     os.execv(sys.executable, [sys.executable, "-m", module, *argv])  # -m: the working folder first on the path
 
