@@ -40,8 +40,9 @@ METRIC_GROUP_LOGGER = "org.apache.flink.metrics.MetricGroup"
 COMMITTER_GAUGE_COLLISION = r"Name collision: Group already contains a Metric with the name 'pendingCommittables'\..*"
 
 
-def request_source(kafka: KafkaConfig) -> KafkaSource:
-    """Reads Row(uri, payload) from the input topic, resuming from the group's committed offsets."""
+def request_source(kafka: KafkaConfig, control_key: bytes) -> KafkaSource:
+    """Reads REQUEST_ROW rows from the input topic, resuming from the group's committed offsets;
+    control records are kept only when signed with `control_key` (cluster_serving/job/control_key.py)."""
     jvm = get_gateway().jvm
     builder = (
         KafkaSource.builder()
@@ -52,7 +53,7 @@ def request_source(kafka: KafkaConfig) -> KafkaSource:
     )
     for key, value in KafkaConnection.of(kafka).java(SOURCE_PROPERTIES).items():
         builder.set_property(key, value)
-    builder._j_builder.setDeserializer(jvm.clusterserving.flink.KeyValueDeserializationSchema())
+    builder._j_builder.setDeserializer(jvm.clusterserving.flink.KeyValueDeserializationSchema(control_key.hex()))
     return builder.build()
 
 

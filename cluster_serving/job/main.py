@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` run
 
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from cluster_serving.config.command_line import config_parser  # noqa: E402
+from cluster_serving.job.control_key import control_key  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
 from cluster_serving.job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
@@ -111,14 +112,15 @@ def infer_stage(config: ServingConfig) -> MapFunction:
 
 
 def build_pipeline(
-    env: StreamExecutionEnvironment, config: ServingConfig, table: RoutingTable, infer: InferStage = infer_stage
+    env: StreamExecutionEnvironment, config: ServingConfig, table: RoutingTable, key: bytes,
+    infer: InferStage = infer_stage,
 ) -> None:
     """Wires the stages; each stage is one module of this package. The operators' short names are
     what the Flink web UI shows as the job's graph and in its metrics' names
     (`0.infer.cluster_serving.batchSize`); their descriptions, shown with them, say more."""
     kafka = config.kafka
     requests = env.from_source(
-        request_source(kafka), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
+        request_source(kafka, key), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
     ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
     batches = micro_batches(requests, table.text()).uid("micro-batch-jvm").set_description(
         "in the JVM: a batch per model and version, at its batch_size requests, max_delay_ms after its first,"
@@ -224,8 +226,9 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     final savepoint) or until the job ends by itself, polling the model repository meanwhile;
     returns the exit code."""
     table = RoutingTable.of(repository)
+    key = control_key(config.flink.checkpoint_dir)
     env = create_environment(config, resume_point(config, fresh))
-    build_pipeline(env, config, table, infer)
+    build_pipeline(env, config, table, key, infer)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
     log.info(
@@ -235,10 +238,10 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     log.info("serving %s; requests naming no model go to %s", table.describe(), table.default)
     # A job restored from a checkpoint keeps the table it checkpointed for the requests it reads
     # again; this record, after them in the log, switches it to the repository as it is now.
-    send_table(config, table)
+    send_table(config, table, key)
     if not attached(env):
         return 0
-    watch = RepositoryWatch(config, repository, table)
+    watch = RepositoryWatch(config, repository, table, key)
     polled = time.monotonic()
     # A signal only sets a flag: interrupting a py4j call mid-flight would log a traceback.
     stop = threading.Event()

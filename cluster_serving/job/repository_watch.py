@@ -24,19 +24,22 @@ from cluster_serving.config import ConfigError, ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.runtime.repository import Repository, RoutingTable, Servable, rescan, servable_stages
 from cluster_serving.runtime.servables import open_version
-from cluster_serving.wire.codec import CONTROL_HEADER
+from cluster_serving.job.control_key import sign
+from cluster_serving.wire.codec import CONTROL_HEADER, SIGNATURE_HEADER
 
 log = logging.getLogger(__name__)
 
 
-def send_table(config: ServingConfig, table: RoutingTable) -> None:
-    """The control record, on every partition of the request topic (each source reader must meet it)."""
+def send_table(config: ServingConfig, table: RoutingTable, key: bytes) -> None:
+    """The control record, signed with the job's `key`, on every partition of the request topic
+    (each source reader must meet it)."""
     kafka = config.kafka
+    text = table.text()
+    headers = [(CONTROL_HEADER, b"table"), (SIGNATURE_HEADER, sign(key, text).encode())]
     producer = KafkaProducer(acks="all", **KafkaConnection.of(kafka).kafka_python())
     try:
         for partition in sorted(producer.partitions_for(kafka.input_topic) or [0]):
-            producer.send(kafka.input_topic, value=table.text().encode(), partition=partition,
-                          headers=[(CONTROL_HEADER, b"table")])
+            producer.send(kafka.input_topic, value=text.encode(), partition=partition, headers=headers)
         producer.flush(30)
     finally:
         producer.close(5)
@@ -49,10 +52,11 @@ FileState = tuple[Path, float, int]
 class RepositoryWatch:
     """What the running job was told to serve, and the check that tells it something new."""
 
-    def __init__(self, config: ServingConfig, repository: Repository, table: RoutingTable):
+    def __init__(self, config: ServingConfig, repository: Repository, table: RoutingTable, key: bytes):
         """`repository` as the job started with it, its served versions opened by the start checks
-        (job.servables.repository_check): the first poll does not open them again."""
+        (job.servables.repository_check): the first poll does not open them again. `key` signs tables."""
         self.config = config
+        self.key = key
         self.repository = repository
         self.table = table
         self.checked: dict[tuple[str, int], tuple[FileState, bool]] = {
@@ -80,7 +84,7 @@ class RepositoryWatch:
         self.repository = repository
         if table.same_serving(self.table):
             return None
-        send_table(self.config, table)
+        send_table(self.config, table, self.key)
         log.info("repository changed: now serving %s (routing table %d sent)", table.describe(), table.generation)
         self.table = table
         return table

@@ -64,7 +64,9 @@ class Servables:
         self.failed: set[tuple[str, int, Path | None]] = set()
 
     def adopt(self, table: RoutingTable) -> None:
-        if self.table is not None and table.generation <= self.table.generation:
+        """Serves `table`. The JVM batcher decides which tables are adopted, and in what order
+        (MicroBatchOperator.java): every table it sends is taken, the one held already excepted."""
+        if table == self.table:
             return
         repository = scan(self.config)
         served: dict[str, Served] = {}

@@ -15,6 +15,7 @@ from cluster_serving.wire.values import (
     MAX_URI_CHARS,
     MODEL_HEADER,
     MODEL_NAME,
+    SIGNATURE_HEADER,
     TOP_N_CLASSES,
     TOP_N_PROBABILITIES,
     VERSION_HEADER,
@@ -27,7 +28,7 @@ from cluster_serving.wire.values import (
 )
 
 __all__ = [
-    "CONTROL_HEADER", "MODEL_HEADER", "MODEL_NAME", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
+    "CONTROL_HEADER", "MODEL_HEADER", "MODEL_NAME", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "SIGNATURE_HEADER", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
     "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
     "encode_alike", "encode_rows",
 ]

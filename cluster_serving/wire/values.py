@@ -20,12 +20,14 @@ NUMERIC_DTYPES = frozenset(
 STRING_DTYPE = "str"
 # Kafka record headers of a request: the model (UTF-8 name) and version (decimal text) that are
 # to serve it, absent for the default model and its newest version; and the header that marks a
-# record as a routing table from the job's repository poller, not a request.
+# record as a routing table from the job's repository poller, not a request, with its signature
+# (cluster_serving/job/control_key.py).
 MODEL_HEADER = "model"
 # Model names travel in Kafka headers and URL paths: no slashes, no spaces, no leading dot.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 VERSION_HEADER = "version"
 CONTROL_HEADER = "cluster-serving-control"
+SIGNATURE_HEADER = "cluster-serving-signature"
 # The two tensors of a top-N result (metadata cs.top_n).
 TOP_N_CLASSES = "classes"
 TOP_N_PROBABILITIES = "probabilities"

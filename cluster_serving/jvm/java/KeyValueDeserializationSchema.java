@@ -1,14 +1,21 @@
 package clusterserving.flink;
 
 import java.nio.charset.StandardCharsets;
+import java.security.MessageDigest;
+import javax.crypto.Mac;
+import javax.crypto.spec.SecretKeySpec;
+import org.apache.flink.api.common.serialization.DeserializationSchema;
 import org.apache.flink.api.common.typeinfo.TypeInformation;
 import org.apache.flink.api.common.typeinfo.Types;
 import org.apache.flink.connector.kafka.source.reader.deserializer.KafkaRecordDeserializationSchema;
+import org.apache.flink.metrics.Counter;
 import org.apache.flink.types.Row;
 import org.apache.flink.util.Collector;
 // The connector jar carries kafka-clients relocated under org.apache.flink.kafka.shaded.
 import org.apache.flink.kafka.shaded.org.apache.kafka.clients.consumer.ConsumerRecord;
 import org.apache.flink.kafka.shaded.org.apache.kafka.common.header.Header;
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
 
 /**
  * Emits Row(uri, payload, model, version, control) for every Kafka record: the key as a UTF-8
@@ -16,21 +23,76 @@ import org.apache.flink.kafka.shaded.org.apache.kafka.common.header.Header;
  * value bytes; the `model` and `version` headers as UTF-8 strings (null when absent or empty);
  * control true for a record with a `cluster-serving-control` header, whose value is a routing
  * table (RoutingTable) rather than a request. job/batch.py's REQUEST_ROW is the same type.
+ *
+ * <p>Anyone who may write requests may write that header, so a control record is passed on only
+ * when its `cluster-serving-signature` header is the HMAC-SHA256 of its value under the job's key
+ * (cluster_serving/job/control_key.py). Any other is dropped here, counted in the metric
+ * `forgedControlRecords` and logged (the first, then at every power of two), never routed.
  */
 public final class KeyValueDeserializationSchema implements KafkaRecordDeserializationSchema<Row> {
     private static final long serialVersionUID = 1L;
+    private static final Logger LOG = LoggerFactory.getLogger(KeyValueDeserializationSchema.class);
     public static final String MODEL_HEADER = "model";
     public static final String VERSION_HEADER = "version";
     public static final String CONTROL_HEADER = "cluster-serving-control";
+    public static final String SIGNATURE_HEADER = "cluster-serving-signature";
+    private static final String HMAC = "HmacSHA256";
     private static final String[] FIELDS = {"uri", "payload", "model", "version", "control"};
+
+    private final byte[] controlKey;
+    private transient Mac mac;
+    private transient Counter forged;
+    private transient long forgedSeen;
+
+    /** `controlKeyHex`: the key that signs the job's routing tables, in hex. */
+    public KeyValueDeserializationSchema(String controlKeyHex) {
+        if (controlKeyHex == null || controlKeyHex.length() < 32 || controlKeyHex.length() % 2 != 0) {
+            throw new IllegalArgumentException("the control key must be an even number of hex digits, at least 32");
+        }
+        controlKey = new byte[controlKeyHex.length() / 2];
+        for (int i = 0; i < controlKey.length; i++) {
+            controlKey[i] = (byte) Integer.parseInt(controlKeyHex.substring(2 * i, 2 * i + 2), 16);
+        }
+    }
+
+    @Override
+    public void open(DeserializationSchema.InitializationContext context) throws Exception {
+        mac = Mac.getInstance(HMAC);
+        mac.init(new SecretKeySpec(controlKey, HMAC));
+        forged = context.getMetricGroup().counter("forgedControlRecords");
+    }
 
     @Override
     public void deserialize(ConsumerRecord<byte[], byte[]> record, Collector<Row> out) {
         byte[] key = record.key();
         String uri = key == null ? null : new String(key, StandardCharsets.UTF_8);
         boolean control = record.headers().lastHeader(CONTROL_HEADER) != null;
+        if (control && !signed(record)) {
+            dropForged(record);
+            return;
+        }
         out.collect(Row.of(
             uri, record.value(), header(record, MODEL_HEADER), header(record, VERSION_HEADER), control));
+    }
+
+    private boolean signed(ConsumerRecord<byte[], byte[]> record) {
+        Header signature = record.headers().lastHeader(SIGNATURE_HEADER);
+        if (signature == null || signature.value() == null) {
+            return false;
+        }
+        byte[] value = record.value() == null ? new byte[0] : record.value();
+        byte[] expected = hex(mac.doFinal(value)).getBytes(StandardCharsets.US_ASCII);
+        return MessageDigest.isEqual(expected, signature.value());
+    }
+
+    private void dropForged(ConsumerRecord<byte[], byte[]> record) {
+        forged.inc();
+        forgedSeen++;
+        if (Long.bitCount(forgedSeen) == 1) {
+            LOG.warn("dropped a control record without a valid signature (topic {} partition {} offset {}): only"
+                + " the job's repository poller changes what is served; {} dropped so far",
+                record.topic(), record.partition(), record.offset(), forgedSeen);
+        }
     }
 
     /** The last value of a header as UTF-8 text; null when absent or empty. */
@@ -38,6 +100,14 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         Header header = record.headers().lastHeader(name);
         byte[] value = header == null ? null : header.value();
         return value == null || value.length == 0 ? null : new String(value, StandardCharsets.UTF_8);
+    }
+
+    private static String hex(byte[] bytes) {
+        StringBuilder text = new StringBuilder(bytes.length * 2);
+        for (byte b : bytes) {
+            text.append(Character.forDigit((b >> 4) & 0xf, 16)).append(Character.forDigit(b & 0xf, 16));
+        }
+        return text.toString();
     }
 
     @Override

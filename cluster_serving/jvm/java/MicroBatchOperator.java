@@ -48,12 +48,13 @@ import org.slf4j.LoggerFactory;
  * topic when the repository changes) carries a new table: one with a newer generation flushes
  * every pending batch, each its own frame, under the old table, is adopted, and goes on to Python
  * as a control frame, so that the switch is a position in the Kafka log, the same on a replay. A
- * malformed one (the topic is open to any producer) is logged once and ignored. The table is
+ * malformed one is logged once and ignored. The table is
  * operator state too, as union list state: after a restore every subtask takes the newest
  * generation among the restored tables, so that the requests read again after a restore are
  * served by the table they were first read with; the table given to the constructor serves only a
  * job started without state. A job started again with a changed repository gets its new table as
  * a control record its driver writes at start, after the requests it reads again (job/main.py).
+ * Control records reach this operator only signed by the driver (KeyValueDeserializationSchema).
  * Python keeps no state, so the first frame after open() is always a control frame with the
  * current table: the Python stages learn the table the restored batches were made by before they
  * meet one.
@@ -72,6 +73,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private static final int MODEL = 2;
     private static final int VERSION = 3;
     private static final int CONTROL = 4;
+    private static final long MAX_CLOCK_SKEW_MS = 3_600_000;
 
     private final String tableText;
     private final long maxBatchBytes;
@@ -99,7 +101,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         table = null;
         for (String text : checkpointedTable.get()) {
             RoutingTable candidate = parseOrWarn(text, "a restored routing table");
-            if (candidate != null && (table == null || candidate.generation > table.generation)) {
+            if (candidate != null && fromTheFuture(candidate)) {
+                LOG.warn("ignoring a restored routing table of generation {}: it lies in the future", candidate.generation);
+            } else if (candidate != null && (table == null || candidate.generation > table.generation)) {
                 table = candidate;
             }
         }
@@ -231,7 +235,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         if (next == null) {
             return;
         }
-        if (next.generation <= table.generation) {
+        if (next.generation <= table.generation && !fromTheFuture(table)) {
             // Every partition carries the marker: a subtask reading several meets it more than once.
             LOG.debug("routing table generation {} is not newer than {}: ignored", next.generation, table.generation);
             return;
@@ -261,6 +265,15 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
 
     private void emit(Route route, Batch batch) {
         output.collect(new StreamRecord<>(BatchFrames.encodeBatch(route.model, route.version, batch.requests)));
+    }
+
+    /**
+     * Whether a table's generation (its driver's clock in milliseconds) lies further ahead than
+     * clocks disagree: such a table never blocks the next one, so that a table forged before
+     * control records were signed and kept in a checkpoint cannot lock later tables out.
+     */
+    private static boolean fromTheFuture(RoutingTable candidate) {
+        return candidate.generation > System.currentTimeMillis() + MAX_CLOCK_SKEW_MS;
     }
 
     private static RoutingTable parseOrWarn(String text, String what) {
