@@ -4,6 +4,7 @@ and embedded jobs that are always stopped, also when a test fails."""
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -101,13 +102,16 @@ def assert_served(config: ServingConfig, count: int, seed: int, timeout: float) 
         np.testing.assert_allclose(result["probabilities"], expected[i], atol=1e-5)
 
 
-def http_call(url: str, body: object = None, headers: dict[str, str] | None = None) -> tuple[int, object]:
+def http_call(
+    url: str, body: object = None, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None
+) -> tuple[int, object]:
     """GET (no body) or POST (a str as it is, anything else as JSON); returns the status and the
-    parsed JSON answer (text when it is not JSON). Error statuses are answers, not exceptions."""
+    parsed JSON answer (text when it is not JSON). Error statuses are answers, not exceptions.
+    `context`: what an https URL is checked with."""
     data = None if body is None else (body if isinstance(body, str) else json.dumps(body)).encode()
     request = urllib.request.Request(url, data=data, headers=headers or {}, method="GET" if data is None else "POST")
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=60, context=context) as response:
             status, payload = response.status, response.read()
     except urllib.error.HTTPError as error:
         status, payload = error.code, error.read()

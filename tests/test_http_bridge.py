@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -27,7 +28,9 @@ import yaml
 from cluster_serving.client import InputQueue, PredictError
 from cluster_serving.config import load_config
 from cluster_serving.http.server import listen
+from cluster_serving.ops.certificates import local_certificates
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
+from cluster_serving.ops.operations import bridge_state
 from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import http_call
@@ -412,3 +415,39 @@ def test_v2_binary_tensor_data_that_does_not_add_up_is_refused(stack: Stack, ten
     request = {"inputs": [{"name": "features", "shape": [1, FEATURES], "datatype": "FP32", "parameters": tensor}]}
     status, body, _, _ = binary_infer(stack.url, request, binary)
     assert status == 400 and message in body["error"], body
+
+
+def test_https_with_a_token_serves_predictions_and_status_sees_it(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CS_TLS_TOKEN", TOKEN)
+    certificates = local_certificates(stack.folder / "tls")
+    url = stack.another_bridge(tls_cert=str(certificates.certificate), tls_key=str(certificates.key), token_env="CS_TLS_TOKEN")
+    assert url.startswith("https://127.0.0.1:")
+    trusting = ssl.create_default_context(cafile=str(certificates.ca))
+    rows = features(2, seed=9)
+    body = {"instances": [{"features": row.tolist()} for row in rows]}
+    status, answer = http_call(f"{url}/v1/models/model:predict", body, {"Authorization": f"Bearer {TOKEN}"}, trusting)
+    assert status == 200, answer
+    np.testing.assert_allclose(np.array(answer["predictions"]), stack.expected(rows), atol=1e-5)
+    assert http_call(f"{url}/v1/models/model:predict", body, context=trusting)[0] == 401
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        http_call(f"{url}/v2/health/live")  # a client that does not trust the CA
+    with pytest.raises((ConnectionError, urllib.error.URLError)):
+        http_call(url.replace("https://", "http://") + "/v2/health/live")
+    config = load_config(stack.folder / f"bridge-{len(stack.extra) - 1}.yaml")
+    assert bridge_state(config) == f"ready on {url}"
+
+
+def test_a_tls_key_that_does_not_fit_is_one_error_line(stack: Stack) -> None:
+    certificates = local_certificates(stack.folder / "tls")
+    raw = yaml.safe_load(stack.config_path.read_text())
+    raw["http"] = {**raw.get("http", {}), "port": free_port(), "tls_cert": str(certificates.ca), "tls_key": str(certificates.key)}
+    path = stack.folder / "bad-tls.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    done = subprocess.run([sys.executable, "-m", "cluster_serving.http.server", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        f"error: http.tls_cert/http.tls_key: {certificates.ca} and {certificates.key} do not load as a PEM certificate"
+        " and its key: key values mismatch"
+    )

@@ -82,6 +82,8 @@ def _as_text(value: Any) -> Any:
 Text = Annotated[str, StringConstraints(strict=True, strip_whitespace=True, min_length=1)]
 Texts = Annotated[tuple[Text, ...], _none_is(())]
 File = Annotated[Path, BeforeValidator(_absolute)]
+# A path that may be left empty (None).
+OptionalFile = Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)]
 Numbers = Annotated[tuple[StrictFloat, ...], _none_is(())]
 Dimension = Annotated[StrictInt, Field(ge=1, le=65536)]
 
@@ -204,6 +206,18 @@ class HttpConfig(_Section):
         str, BeforeValidator(lambda value: value or ""), StringConstraints(strict=True, strip_whitespace=True)
     ] = Field(description="the name of an environment variable")
     flink_rest_url: Annotated[Text, AfterValidator(lambda url: url.rstrip("/"))]
+    tls_cert: OptionalFile = None
+    tls_key: OptionalFile = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert else "http"
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> HttpConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("http.tls_cert and http.tls_key go together: set both, or neither")
+        return self
 
     @field_validator("rate_limit_burst")
     @classmethod
@@ -215,7 +229,7 @@ class HttpConfig(_Section):
 
 class ModelsConfig(_Section):
     # Empty: model.path is the repository, a model of one version (cluster_serving/runtime/repository.py).
-    repository: Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)] = None
+    repository: OptionalFile = None
     default: Annotated[str, _none_is("")] = ""
     poll_interval_s: StrictFloat = Field(5.0, ge=0)
 

@@ -14,6 +14,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 import sys
 from http import HTTPStatus
 
@@ -21,7 +22,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from cluster_serving.config import ConfigError, load_config
+from cluster_serving.config import ConfigError, HttpConfig, load_config
 from cluster_serving.config.command_line import config_parser
 from cluster_serving.http.app import create_app
 from cluster_serving.http.dataplane import Bridge
@@ -66,6 +67,7 @@ def serve(config_path: str | None) -> int:
     try:
         config = load_config(config_path)
         bridge = Bridge(config)  # reads and checks the repository's models first
+        check_tls(config.http)
         listener = listen(config.http.host, config.http.port)
         return asyncio.run(run_bridge(bridge, listener))
     except ConfigError as exc:
@@ -93,13 +95,30 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
+def check_tls(http: HttpConfig) -> None:
+    """A certificate and key that do not load are a set-up error, said before anything starts."""
+    if http.tls_cert is None:
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(http.tls_cert, http.tls_key)
+    except ssl.SSLError as exc:  # OpenSSL's reason: KEY_VALUES_MISMATCH, NO_START_LINE, ...
+        reason = (exc.reason or str(exc)).lower().replace("_", " ")
+        raise ConfigError(
+            f"http.tls_cert/http.tls_key: {http.tls_cert} and {http.tls_key} do not load as a PEM certificate and its key: {reason}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"http.tls_cert/http.tls_key: {exc.filename or http.tls_cert}: {exc.strerror}") from None
+
+
 def server_config(bridge: Bridge) -> uvicorn.Config:
-    """uvicorn serving the bridge's routes, with the protocol that answers unparsable requests. No
-    X-Forwarded-For rewriting (proxy_headers): nothing here reads the client's address, and it is a
-    middleware less per request."""
+    """uvicorn serving the bridge's routes, with the protocol that answers unparsable requests,
+    over TLS when http.tls_cert is set. No X-Forwarded-For rewriting (proxy_headers): nothing here
+    reads the client's address, and it is a middleware less per request."""
+    http = bridge.config.http
     return uvicorn.Config(
         create_app(bridge), http=json_error_protocol(bridge.metrics), log_level="warning", access_log=False,
         lifespan="off", proxy_headers=False,
+        ssl_certfile=http.tls_cert and str(http.tls_cert), ssl_keyfile=http.tls_key and str(http.tls_key),
     )
 
 
@@ -117,7 +136,7 @@ async def run_bridge(bridge: Bridge, listener: socket.socket) -> int:
         gc.freeze()
         host, port = listener.getsockname()[:2]
         log.info(
-            "%shttp://%s:%d (models: %s; default %r)", READY_LINE, host, port, bridge.catalog.reading.describe(),
+            "%s%s://%s:%d (models: %s; default %r)", READY_LINE, bridge.config.http.scheme, host, port, bridge.catalog.reading.describe(),
             bridge.model_name,
         )
         await server.serve(sockets=[listener])

@@ -28,8 +28,8 @@ if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` run
 
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
 from cluster_serving.config.command_line import config_parser  # noqa: E402
-from cluster_serving.job.control_key import control_key  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
+from cluster_serving.job.control_key import control_key  # noqa: E402
 from cluster_serving.job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402

@@ -6,6 +6,7 @@ the HTTP bridge for `status`.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -88,10 +89,12 @@ def check_port(key: str, host: str, port: int) -> None:
 
 def bridge_state(config: ServingConfig) -> str:
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
-    url = f"http://{host}:{config.http.port}/v2/health/ready"
+    base = f"{config.http.scheme}://{host}:{config.http.port}"
+    # A liveness probe of this machine's own bridge: its certificate may name another host.
+    unverified = ssl._create_unverified_context() if config.http.tls_cert else None
     try:
-        with urllib.request.urlopen(url, timeout=3):
-            return f"ready on http://{host}:{config.http.port}"
+        with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=3, context=unverified):
+            return f"ready on {base}"
     except urllib.error.HTTPError as error:
         return f"not ready ({json.loads(error.read() or b'{}').get('error', error.code)})"
     except OSError:
