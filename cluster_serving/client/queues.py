@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import sys
 import time
 import urllib.error
@@ -104,6 +105,8 @@ CONSUMER_SETTINGS = {
 METADATA_TIMEOUT_S = 30.0
 # How long a send waits for librdkafka to write some records when its queue is full.
 QUEUE_FULL_WAIT_S = 0.05
+# flush() waits in steps this long, so that it gives up at once when the broker refuses this client.
+FLUSH_STEP_S = 0.5
 
 
 def refused_as_value_error(make: Callable[[], Client]) -> Client:
@@ -116,8 +119,8 @@ def refused_as_value_error(make: Callable[[], Client]) -> Client:
 
 
 class DeliveryError(RuntimeError):
-    """Requests Kafka did not take: the broker refused them, or none was reachable for
-    message.timeout.ms (2 minutes)."""
+    """Requests Kafka did not take: the broker refused them or this client (its credentials or
+    TLS settings), or none was reachable for message.timeout.ms (2 minutes)."""
 
 
 class InputQueue:
@@ -154,9 +157,10 @@ class InputQueue:
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
         if sync and not self.frontend_url:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
+        self._refused: str | None = None  # why the broker refuses this client, once it has
         self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
             bootstrap_servers, {**PRODUCER_SETTINGS, **keyword_settings(kafka)},
-            log, "requests wait in the producer until one is back", on_delivery=self._not_delivered,
+            log, "requests wait in the producer until one is back", refused=self._refuse, on_delivery=self._not_delivered,
         )))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
         self._closed = False
@@ -211,6 +215,7 @@ class InputQueue:
 
     def _send(self, uri: str, payload: bytes, headers: Headers | None) -> None:
         """Hands one encoded request to librdkafka, waiting while its queue is full."""
+        self._raise_if_refused()
         if self._lag_probe is not None:
             self._wait_for_room()
         while True:
@@ -219,12 +224,20 @@ class InputQueue:
                 break
             except BufferError:  # librdkafka's queue is full: let it write some
                 self._producer.poll(QUEUE_FULL_WAIT_S)
+                self._raise_if_refused()
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     raise ValueError(f"request {uri!r} is {len(payload)} bytes encoded, over Kafka's record "
                                      f"limit of {KAFKA_RECORD_BYTES}") from None
                 raise
         self._producer.poll(0)
+
+    def _refuse(self, why: str) -> None:
+        self._refused = why
+
+    def _raise_if_refused(self) -> None:
+        if self._refused is not None:
+            raise DeliveryError(f"requests to topic {self.topic!r} cannot be written: {self._refused}")
 
     def _not_delivered(self, error: KafkaError, message: Any) -> None:
         self._failed.append((message.key().decode(errors="replace"), error.str()))
@@ -276,7 +289,11 @@ class InputQueue:
         TimeoutError); DeliveryError names those Kafka did not take."""
         if self._producer is None:
             return
-        left = self._producer.flush() if timeout is None else self._producer.flush(timeout)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while left := self._producer.flush(max(0.0, min(FLUSH_STEP_S, deadline - time.monotonic()))):
+            self._raise_if_refused()
+            if time.monotonic() >= deadline:
+                break
         failed, self._failed = self._failed, []
         if failed:
             named = ", ".join(repr(uri) for uri, _ in failed[:NAMED_FAILURES]) + (" ..." if len(failed) > NAMED_FAILURES else "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,21 +20,35 @@ LOG_LEVEL = 2
 # A group coordinator that is not ready yet: asked again this often. librdkafka does not call
 # these errors retriable.
 COORDINATOR_RETRY_S = 0.1
+# The broker answers but will not take this client: its credentials or its TLS settings.
+REFUSED = {KafkaError._AUTHENTICATION, KafkaError._SSL}
 COORDINATOR_NOT_READY = {
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
 }
 
 
 def client_settings(
-    bootstrap_servers: str, properties: Mapping[str, Any], log: logging.Logger, while_down: str, **settings: Any
+    bootstrap_servers: str, properties: Mapping[str, Any], log: logging.Logger, while_down: str,
+    refused: Callable[[str], None] | None = None, **settings: Any,
 ) -> dict[str, Any]:
     """A librdkafka client's configuration: the broker, `properties` (Kafka's dotted names), then
-    `settings`. `while_down` says what the client's user sees while no broker is reachable."""
+    `settings`. `while_down` says what the client's user sees while no broker is reachable;
+    `refused` is told why when the broker refuses the client itself (credentials, TLS)."""
+    told_refused = False
+
     def client_error(error: KafkaError) -> None:
         """librdkafka retries a broker it lost by itself, and reports every failed attempt here
-        too: only its word that no broker is left (again every ~10 s while none is) and fatal
-        errors are logged."""
-        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+        too: only its word that no broker is left (again every ~10 s while none is), the first
+        refusal of this client and fatal errors are logged."""
+        nonlocal told_refused
+        if error.code() in REFUSED:
+            why = f"Kafka at {bootstrap_servers} refused this client: {error.str()}"
+            if not told_refused:
+                told_refused = True
+                log.error("%s", why)
+            if refused is not None:
+                refused(why)
+        elif error.code() == KafkaError._ALL_BROKERS_DOWN:
             log.error("Kafka at %s: %s; %s", bootstrap_servers, error.str(), while_down)
         elif error.fatal():
             log.error("Kafka at %s: %s", bootstrap_servers, error.str())

@@ -20,6 +20,7 @@ from typing import Any
 
 from cluster_serving.http.server import READY_LINE
 from cluster_serving.net.flink_rest import FlinkRest
+from cluster_serving.ops.broker_security import BrokerSecurity
 from cluster_serving.ops.local_broker import READY_PREFIX
 from cluster_serving.ops.processes import python_module_command
 
@@ -181,10 +182,13 @@ class LocalBroker(ChildProcess):
         topics: dict[str, int] | None = None,
         log_path: str | Path | None = None,
         fresh: bool = False,
+        secure_for: str | None = None,
     ):
+        """`secure_for`: a secured broker (TLS, SCRAM users, ACLs) whose user `requester` may write that topic."""
         topic_args = [arg for name, count in (topics or {}).items() for arg in ("--topic", f"{name}:{count}")]
         fresh_args = ["--fresh"] if fresh else []
-        super().__init__(["--port", str(port), "--data", str(data), *fresh_args, *topic_args], log_path)
+        secure_args = ["--secure", "--request-topic", secure_for] if secure_for else []
+        super().__init__(["--port", str(port), "--data", str(data), *fresh_args, *topic_args, *secure_args], log_path)
         self.data = Path(data)
         self.bootstrap_servers = ""
 
@@ -192,6 +196,10 @@ class LocalBroker(ChildProcess):
         super().start(timeout)
         self.bootstrap_servers = self.ready["address"]
         return self
+
+    def client_properties(self, user: str = "serving") -> dict[str, str]:
+        """A secured broker's kafka.properties for `user` (admin, serving or requester)."""
+        return BrokerSecurity.of(self.data.resolve()).client_properties(user)
 
     @property
     def ready_seconds(self) -> float:

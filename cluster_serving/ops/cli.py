@@ -1,7 +1,7 @@
 """`cluster-serving`: set up, run and try the serving job.
 
     cluster-serving init [DIR]                 starter config.yaml + sample model.onnx in DIR
-    cluster-serving broker [--port 9092]       the local Apache Kafka broker (data in run/kafka)
+    cluster-serving broker [--port 9092] [--secure]  the local Apache Kafka broker (data in run/kafka)
     cluster-serving start [-c CONFIG] [--local-broker] [--no-http]
                                                the job on an embedded Flink MiniCluster + HTTP bridge
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
@@ -76,6 +76,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
     argv = ["--port", str(args.port), "--data", args.data, *(["--fresh"] if args.fresh else [])]
     argv += [item for topic in args.topic for item in ("--topic", topic)]
+    argv += ["--secure"] if args.secure else []
+    argv += ["--request-topic", args.request_topic] if args.request_topic else []
     return broker_main(argv)
 
 
@@ -243,6 +245,10 @@ def parser() -> argparse.ArgumentParser:
     broker.add_argument("--fresh", action="store_true", help="wipe the data folder first")
     broker.add_argument("--topic", action="append", default=[], metavar="NAME:PARTITIONS",
                         help="a topic to create when missing; repeatable (default: none)")
+    broker.add_argument("--secure", action="store_true",
+                        help="TLS, SASL/SCRAM users and ACLs; prints the client settings for kafka.properties")
+    broker.add_argument("--request-topic",
+                        help="with --secure: the one topic user `requester` may write (default: kafka.input_topic's default)")
 
     start = command("start", "run the job on an embedded Flink MiniCluster, and the HTTP bridge", cmd_start)
     start.add_argument("--config", "-c", help=CONFIG_HELP)

@@ -36,13 +36,17 @@ import time
 import uuid
 from pathlib import Path
 
+import yaml
+from confluent_kafka import KafkaException
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError
+from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, load_config
 from cluster_serving.jvm import find_java, kafka_libs
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.net.ports import port_taken
+from cluster_serving.ops.broker_security import SECURE_FOLDER, BrokerSecurity
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +150,13 @@ def server_properties(data: Path, port: int, controller_port: int) -> dict[str, 
     }
 
 
-def write_settings(data: Path, port: int) -> Path:
+def write_settings(data: Path, port: int, security: BrokerSecurity | None = None) -> Path:
     """Writes server.properties and log4j2.properties into the data folder; returns the former."""
     data.mkdir(parents=True, exist_ok=True)
-    properties = server_properties(data, port, pick_port())
+    controller_port = pick_port()
+    properties = server_properties(data, port, controller_port)
+    if security:
+        properties |= security.server_properties(port, controller_port, LOOPBACK)
     path = data / "server.properties"
     path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
     (data / "log4j2.properties").write_text(LOG4J2.format(log_file=data / BROKER_LOG))
@@ -162,14 +169,17 @@ def java_command(main_class: str, *args: str, data: Path, libs: Path | None = No
     return [java, *JVM_OPTIONS, logging_config, "-cp", f"{libs or kafka_libs()}/*", main_class, *args]
 
 
-def format_storage(data: Path, properties: Path) -> None:
-    """Formats an empty data folder for a new cluster (what `kafka-storage.sh format` does)."""
+def format_storage(data: Path, properties: Path, security: BrokerSecurity | None = None) -> None:
+    """Formats an empty data folder for a new cluster (what `kafka-storage.sh format` does), with
+    the SCRAM users of a secured broker."""
     if (data / "log" / "meta.properties").exists():
         return
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
     # `--cluster-id=ID` in one argument: an id may start with '-' (a 1 in 64 chance), which the
     # tool's parser took for an option ("argument --cluster-id/-t: expected one argument").
-    command = java_command("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(properties), data=data)
+    users = security.format_arguments() if security else []
+    command = java_command("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}", "-c", str(properties), *users,
+                           data=data)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise BrokerError(f"formatting {data / 'log'} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
@@ -183,7 +193,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, broker_log: Path, log_from: int,
+def wait_until_serving(process: subprocess.Popen[bytes], admin: KafkaConnection, broker_log: Path, log_from: int,
                        timeout_s: float) -> None:
     """Until this broker logs that it started and a Kafka client gets an answer. Its own log line,
     not an open port, says the broker is ours: another broker starting at the same moment on the
@@ -196,11 +206,11 @@ def wait_until_serving(process: subprocess.Popen[bytes], bootstrap: str, broker_
             time.sleep(0.1)
             continue
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+            client = KafkaAdminClient(request_timeout_ms=2000, **admin.kafka_python())
         except KafkaError:
             time.sleep(0.05)
             continue
-        admin.close()
+        client.close()
         return
     raise BrokerError(f"the broker did not serve within {timeout_s:.0f} s; see {broker_log}")
 
@@ -223,10 +233,10 @@ def _first_failure(broker_log: Path, offset: int) -> str:
     return f"{reason} (see {broker_log})"
 
 
-def create_topics(bootstrap: str, topics: list[tuple[str, int]]) -> None:
+def create_topics(connection: KafkaConnection, topics: list[tuple[str, int]]) -> None:
     if not topics:
         return
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = KafkaAdminClient(**connection.kafka_python())
     try:
         for name, partitions in topics:
             try:
@@ -237,8 +247,14 @@ def create_topics(bootstrap: str, topics: list[tuple[str, int]]) -> None:
         admin.close()
 
 
-def start(data: Path, port: int, fresh: bool, libs: Path | None = None) -> subprocess.Popen[bytes]:
-    """Starts the broker's JVM (formatting the folder first when new); returns once it serves."""
+def admin_connection(port: int, security: BrokerSecurity | None) -> KafkaConnection:
+    """How this process reaches the broker as its administrator."""
+    return KafkaConnection(f"{LOOPBACK}:{port}", security.client_properties("admin") if security else {})
+
+
+def start(data: Path, port: int, fresh: bool, libs: Path | None = None, secure: bool = False) -> subprocess.Popen[bytes]:
+    """Starts the broker's JVM (formatting the folder first when new); returns once it serves.
+    `secure`: TLS, SCRAM users and ACLs (cluster_serving/ops/broker_security.py)."""
     version = kafka_version(libs)
     find_java()
     if port_taken(LOOPBACK, port):
@@ -248,19 +264,27 @@ def start(data: Path, port: int, fresh: bool, libs: Path | None = None) -> subpr
     if fresh and data.exists():
         shutil.rmtree(data)
         log.info("--fresh: removed %s", data)
-    properties = write_settings(data, port)
-    format_storage(data, properties)
+    security = secure_settings(data) if secure else None
+    properties = write_settings(data, port, security)
+    format_storage(data, properties, security)
     command = java_command("kafka.Kafka", str(properties), data=data, libs=libs)
     log.info("starting Apache Kafka %s (KRaft, one node), data in %s", version, data)
     broker_log = data / BROKER_LOG
     log_from = broker_log.stat().st_size if broker_log.exists() else 0
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     try:
-        wait_until_serving(process, f"{LOOPBACK}:{port}", broker_log, log_from, timeout_s=60)
+        wait_until_serving(process, admin_connection(port, security), broker_log, log_from, timeout_s=60)
     except BaseException:
         stop(process)
         raise
     return process
+
+
+def secure_settings(data: Path) -> BrokerSecurity:
+    """The secured broker's users and certificates; a folder formatted without them cannot serve them."""
+    if (data / "log" / "meta.properties").exists() and not (data / SECURE_FOLDER).exists():
+        raise BrokerError(f"{data} holds a broker started without --secure, which has no users; add --fresh or pick another --data")
+    return BrokerSecurity.of(data)
 
 
 def stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
@@ -294,6 +318,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--topic", type=_parse_topic, action="append", default=[], metavar="NAME:PARTITIONS",
         help="topic to create at start when missing; repeatable",
     )
+    parser.add_argument("--secure", action="store_true",
+                        help="TLS, SASL/SCRAM users and ACLs; prints the client settings (see docs/security.md)")
+    parser.add_argument("--request-topic",
+                        help="with --secure: the topic user `requester` may write (default: the config's kafka.input_topic)")
     return parser.parse_args(argv)
 
 
@@ -314,11 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or pick_port()
     data = args.data.resolve()
     try:
-        process = start(data, port, args.fresh)
-        create_topics(f"{LOOPBACK}:{port}", args.topic)
-    except (BrokerError, ConfigError, OSError) as exc:  # OSError: a data folder that cannot be written
+        process = start(data, port, args.fresh, secure=args.secure)
+        security = BrokerSecurity.of(data) if args.secure else None
+        create_topics(admin_connection(port, security), args.topic)
+        if security:
+            security.grant(f"{LOOPBACK}:{port}", args.request_topic or load_config().kafka.input_topic)
+    except (BrokerError, ConfigError, OSError, KafkaException) as exc:  # OSError: a data folder that cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if security:
+        print(f"secured: TLS, SASL/SCRAM and ACLs; the client settings ({security.write_client_file()}):\n"
+              f"{yaml.safe_dump({'properties': security.client_properties()}, sort_keys=False)}", end="", flush=True)
     print(f"{READY_PREFIX}{LOOPBACK}:{port} in {time.monotonic() - began:.1f} s (data: {data})", flush=True)
     while not stopping and process.poll() is None:
         time.sleep(0.2)
