@@ -7,13 +7,19 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
+
+from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.cluster import StandaloneCluster
 from cluster_serving.ops.processes import free_port
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import assert_served, http_call
+from tests.test_broker_outage import PacedSender, longest_gap, read_until
 
 log = logging.getLogger(__name__)
 COUNT = 200
@@ -56,3 +62,47 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
     assert cluster.processes() == [], "Flink processes left after `cluster down`"
     gone = cluster_command("status", "--dir", str(folder))
     assert gone.returncode == 3 and "not answering" in gone.stdout
+
+
+def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_config) -> None:
+    """Parallelism 2 over two TaskManagers of two slots each; one is SIGKILLed while requests flow,
+    and the job restarts the lost subtask from its last checkpoint on the other's free slot."""
+    folder, rest_port = tmp_path / "flink", free_port()
+    path, config = write_config(flink={"rest_port": rest_port, "parallelism": 2}, kafka={"partitions": 2})
+    cluster = StandaloneCluster(rest_port, folder, task_slots=2, taskmanagers=2)
+    cluster.start()
+    try:
+        job_id = cluster.submit(path)
+        cluster.rest.wait_until_running(job_id, 120)
+        count, rate = 4_000, 200
+        inputs = InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic)
+        outputs = OutputQueue(config.kafka.bootstrap_servers, config.kafka.result_topic, group_id="tm-client")
+        seen: dict[str, float] = {}
+        with inputs, outputs:
+            sender = PacedSender(inputs, count, rate)
+            reader = threading.Thread(target=read_until, args=(outputs, count, 300, seen), daemon=True)
+            sender.start()
+            reader.start()
+            time.sleep(6)
+            victim = taskmanager_pids(cluster)[0]
+            psutil.Process(victim).kill()
+            killed = time.monotonic()
+            sender.join(300)
+            reader.join(300)
+            assert sender.error is None, sender.error
+        after = sorted(arrival for arrival in seen.values() if arrival > killed)
+        gap = longest_gap(list(seen.values()))
+        print(f"TaskManager SIGKILL: {len(seen)} of {count} answered, results paused at most {gap:.1f} s, "
+              f"{outputs.store.duplicates} duplicates (at least once)")
+        assert len(seen) == count, f"{count - len(seen)} lost"
+        assert after, "nothing was answered after the kill"
+        history = cluster.rest.get(f"/jobs/{job_id}/exceptions")
+        assert history["exceptionHistory"]["entries"], "the job saw no failure: the kill tested nothing"
+        assert cluster.rest.job(job_id)["state"] == "RUNNING"
+    finally:
+        cluster.stop()
+
+
+def taskmanager_pids(cluster: StandaloneCluster) -> list[int]:
+    return [pid for pid in cluster.processes()
+            if any("TaskManagerRunner" in part for part in psutil.Process(pid).cmdline())]

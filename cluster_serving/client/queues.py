@@ -105,6 +105,12 @@ CONSUMER_SETTINGS = {
 METADATA_TIMEOUT_S = 30.0
 # How long a send waits for librdkafka to write some records when its queue is full.
 QUEUE_FULL_WAIT_S = 0.05
+# What librdkafka's admin client answers, again and again, once the broker it knew has been away
+# and come back: it asks with the partitions' old leaders, or finds none in its old metadata.
+STALE_METADATA = {
+    KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError._NOENT,
+}
 # flush() waits in steps this long, so that it gives up at once when the broker refuses this client.
 FLUSH_STEP_S = 0.5
 
@@ -158,8 +164,10 @@ class InputQueue:
         if sync and not self.frontend_url:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._refused: str | None = None  # why the broker refuses this client, once it has
+        settings = {**PRODUCER_SETTINGS, **keyword_settings(kafka)}
+        self._bootstrap_servers, self._message_timeout_ms = bootstrap_servers, settings.get("delivery.timeout.ms", settings["message.timeout.ms"])
         self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
-            bootstrap_servers, {**PRODUCER_SETTINGS, **keyword_settings(kafka)},
+            bootstrap_servers, settings,
             log, "requests wait in the producer until one is back", refused=self._refuse, on_delivery=self._not_delivered,
         )))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
@@ -240,7 +248,10 @@ class InputQueue:
             raise DeliveryError(f"requests to topic {self.topic!r} cannot be written: {self._refused}")
 
     def _not_delivered(self, error: KafkaError, message: Any) -> None:
-        self._failed.append((message.key().decode(errors="replace"), error.str()))
+        why = error.str()
+        if error.code() == KafkaError._MSG_TIMED_OUT:
+            why = f"no broker took them within message.timeout.ms ({self._message_timeout_ms} ms): is Kafka at {self._bootstrap_servers} reachable?"
+        self._failed.append((message.key().decode(errors="replace"), why))
 
     def _check_not_sync(self) -> None:
         if self._producer is None:
@@ -419,6 +430,15 @@ class OutputQueue:
     def _readable_ends(self) -> dict[int, int]:
         """Each partition's end as a read_committed reader sees it now: results of transactions
         still open (kafka.delivery exactly_once) are not waited for."""
+        try:
+            return self._ask_ends()
+        except KafkaException as exc:
+            if exc.args[0].code() not in STALE_METADATA:
+                raise
+            del self._admin  # a new client asks with fresh metadata
+            return self._ask_ends()
+
+    def _ask_ends(self) -> dict[int, int]:
         asked = self._admin.list_offsets({partition: OffsetSpec.latest() for partition in self._partitions},
                                          isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=METADATA_TIMEOUT_S)
         return {partition.partition: answer.result().offset for partition, answer in asked.items()}

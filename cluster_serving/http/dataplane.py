@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 import uuid
@@ -45,6 +46,7 @@ from cluster_serving.wire.inputs import encode_request
 
 log = logging.getLogger("cluster_serving.http")
 READINESS_TTL_S = 1.0
+READINESS_STALE_S = 3.0
 # Waits for the broker's metadata at start, and for queued records at stop.
 CONNECT_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -130,10 +132,13 @@ class Bridge:
 
         Checked at most once a second, in the background: requests take the last check's answer
         rather than queue behind a call to Flink (milliseconds, every second, for every request
-        that came meanwhile). Only the first check is waited for."""
-        if self._checking is None and (self._ready is None or time.monotonic() - self._ready[0] > READINESS_TTL_S):
+        that came meanwhile). The first check is waited for, and so is one after a quiet spell
+        (READINESS_STALE_S): an answer that old would let the first request after an outage
+        wait for its timeout instead of being refused."""
+        age = math.inf if self._ready is None else time.monotonic() - self._ready[0]
+        if self._checking is None and age > READINESS_TTL_S:
             self._checking = asyncio.create_task(self._check())
-        if self._ready is None:
+        if age > READINESS_STALE_S:
             assert self._checking is not None
             await asyncio.shield(self._checking)  # requests cancelled meanwhile leave the check running
         assert self._ready is not None
