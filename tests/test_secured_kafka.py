@@ -62,8 +62,21 @@ def test_broker_secure_prints_the_settings_and_refuses_what_acls_do_not_allow(se
     assert outcomes == [None, KafkaError.TOPIC_AUTHORIZATION_FAILED]
 
 
-def test_wrong_credentials_are_one_clear_error(secured: LocalBroker) -> None:
+def test_wrong_credentials_are_one_clear_error(secured: LocalBroker, tmp_path: Path, sample_model: Path) -> None:
     wrong = {**secured.client_properties(), "sasl.password": "not-the-password"}
+    path = write_run_config(tmp_path, sample_model, secured.bootstrap_servers, kafka={"properties": wrong})
+    refused = f"Kafka at {secured.bootstrap_servers} refused this client: sasl_ssl://{secured.bootstrap_servers}/bootstrap: " \
+              "SASL authentication error: Authentication failed during authentication due to invalid credentials"
+    env = {**os.environ, REGISTRY_ENV: str(tmp_path / "registry")}
+    for command in (["-m", "cluster_serving.ops.cli", "start", "-c", str(path)],
+                    ["-m", "cluster_serving.http.server", "--config", str(path)]):
+        done = subprocess.run([sys.executable, *command], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"error: kafka.properties: {refused}") and line.endswith("; check the credentials and TLS settings"), line
+    shown = cli(env, "status", "-c", str(path))
+    assert f"broker: not usable at {secured.bootstrap_servers}: {refused}" in shown.stdout, shown.stdout
+
     inputs = InputQueue(secured.bootstrap_servers, REQUESTS, **keywords(wrong))
     started = time.monotonic()
     with pytest.raises(DeliveryError, match="Kafka at .* refused this client: .*SASL authentication error: "

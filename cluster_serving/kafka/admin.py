@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import confluent_kafka
+import confluent_kafka.admin
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
@@ -18,7 +19,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
 from cluster_serving.kafka.connection import KafkaConnection
-from cluster_serving.kafka.librdkafka import client_settings, committed_offsets, topic_partitions
+from cluster_serving.kafka.librdkafka import REFUSED_THIS_CLIENT, client_settings, committed_offsets, topic_partitions
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ NOT_KAFKA = "something accepts connections there, but no Kafka broker answered"
 
 
 def unreachable(bootstrap_servers: str, reason: str = NOTHING_LISTENS) -> ConfigError:
-    """The one line for a broker that cannot be reached, with what to do about it."""
+    """The one line for a broker that cannot be reached or refuses the configured client, with
+    what to do about it."""
+    if REFUSED_THIS_CLIENT in reason:
+        return ConfigError(f"kafka.properties: {reason}; check the credentials and TLS settings")
     return ConfigError(
         f"kafka.bootstrap_servers: no Kafka broker reachable at {bootstrap_servers} ({reason}); "
         "start one (cluster-serving broker, or start --local-broker) or fix the address"
@@ -125,8 +129,23 @@ def broker_problem(kafka: KafkaConfig) -> str | None:
     if not broker_reachable(kafka.bootstrap_servers):
         return NOTHING_LISTENS
     if not kafka_answers(**KafkaConnection.of(kafka).kafka_python()):
-        return NOT_KAFKA
+        return refusal(kafka) or NOT_KAFKA
     return None
+
+
+def refusal(kafka: KafkaConfig, timeout_s: float = 3.0) -> str | None:
+    """Why the broker refuses the configured client (credentials, TLS), in librdkafka's words:
+    kafka-python says only that it could not bootstrap. None when it does not refuse it."""
+    reasons: list[str] = []
+    quiet = logging.getLogger(f"{__name__}.refusal")  # the reason is returned, not logged
+    quiet.disabled = True
+    admin = confluent_kafka.admin.AdminClient(client_settings(
+        kafka.bootstrap_servers, kafka.properties, quiet, "", refused=reasons.append))
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except confluent_kafka.KafkaException:
+        admin.poll(0)  # error callbacks are served here
+    return reasons[0] if reasons else None
 
 
 def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:

@@ -22,6 +22,7 @@ LOG_LEVEL = 2
 COORDINATOR_RETRY_S = 0.1
 # The broker answers but will not take this client: its credentials or its TLS settings.
 REFUSED = {KafkaError._AUTHENTICATION, KafkaError._SSL}
+REFUSED_THIS_CLIENT = "refused this client"
 COORDINATOR_NOT_READY = {
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
 }
@@ -42,7 +43,7 @@ def client_settings(
         refusal of this client and fatal errors are logged."""
         nonlocal told_refused
         if error.code() in REFUSED:
-            why = f"Kafka at {bootstrap_servers} refused this client: {error.str()}"
+            why = f"Kafka at {bootstrap_servers} {REFUSED_THIS_CLIENT}: {error.str()}"
             if not told_refused:
                 told_refused = True
                 log.error("%s", why)
