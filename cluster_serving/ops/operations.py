@@ -91,7 +91,10 @@ def bridge_state(config: ServingConfig) -> str:
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
     base = f"{config.http.scheme}://{host}:{config.http.port}"
     # A liveness probe of this machine's own bridge: its certificate may name another host.
-    unverified = ssl._create_unverified_context() if config.http.tls_cert else None
+    unverified = None
+    if config.http.tls_cert:
+        unverified = ssl.create_default_context()
+        unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
     try:
         with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=3, context=unverified):
             return f"ready on {base}"
