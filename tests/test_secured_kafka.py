@@ -84,6 +84,12 @@ def test_wrong_credentials_are_one_clear_error(secured: LocalBroker, tmp_path: P
         inputs.enqueue("r", x=np.zeros(4, np.float32))
         inputs.flush()
     assert time.monotonic() - started < 30
+    outputs = OutputQueue(secured.bootstrap_servers, REQUESTS, group_id="wrong", **keywords(wrong))
+    started = time.monotonic()
+    with pytest.raises(ConnectionRefusedError, match=f"results of topic '{REQUESTS}' cannot be read: Kafka at .* refused "
+                                                     "this client: .*SASL authentication error"):
+        outputs.dequeue()
+    assert time.monotonic() - started < 30
 
 
 def test_the_whole_path_serves_over_tls_and_scram_and_a_request_writer_cannot_change_what_is_served(

@@ -389,9 +389,10 @@ class OutputQueue:
         self.topic = topic
         self.store = ResultStore()
         self._bootstrap_servers, self._settings = bootstrap_servers, keyword_settings(kafka)
+        self._refused: str | None = None  # why the broker refuses this client, once it has
         self._consumer = refused_as_value_error(lambda: Consumer(client_settings(
             bootstrap_servers, {**CONSUMER_SETTINGS, "group.id": group_id, **self._settings}, log,
-            "results wait until one is back",
+            "results wait until one is back", refused=self._refuse,
         )))
         self._partitions: list[TopicPartition] = []
         self._next: dict[int, int] = {}  # partition -> the offset after the last record or end seen
@@ -447,7 +448,7 @@ class OutputQueue:
         """Reads every partition of the topic, once it exists, from the group's committed offset,
         else from the start."""
         if not self._partitions:
-            partitions = topic_partitions(self._consumer, self.topic, METADATA_TIMEOUT_S)
+            partitions = self._known_partitions()
             if partitions:
                 self._consumer.assign([
                     TopicPartition(self.topic, partition.partition, partition.offset if partition.offset >= 0 else OFFSET_BEGINNING)
@@ -456,7 +457,29 @@ class OutputQueue:
                 self._partitions = partitions
         return bool(self._partitions)
 
+    def _known_partitions(self) -> list[TopicPartition]:
+        """The topic's partitions, asked a second at a time for up to METADATA_TIMEOUT_S, so that
+        a broker refusing this client is said at once rather than after the whole wait."""
+        deadline = time.monotonic() + METADATA_TIMEOUT_S
+        while True:
+            try:
+                return topic_partitions(self._consumer, self.topic, 1.0)
+            except KafkaException:
+                self._consumer.poll(0)  # not reading yet: this only serves the callback that says why
+                self._raise_if_refused()
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _refuse(self, why: str) -> None:
+        self._refused = why
+
+    def _raise_if_refused(self) -> None:
+        if self._refused is not None:
+            raise ConnectionRefusedError(f"results of topic {self.topic!r} cannot be read: {self._refused}")
+
     def _poll(self, timeout_s: float) -> int:
+        """Reads what has come, up to `timeout_s`; ConnectionRefusedError once the broker refuses this client."""
+        self._raise_if_refused()
         if not self._assign():
             time.sleep(timeout_s)
             return 0
