@@ -74,6 +74,7 @@ def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_
     try:
         job_id = cluster.submit(path)
         cluster.rest.wait_until_running(job_id, 120)
+        assert len(job_data_ports(cluster, job_id)) == 2, "the two subtasks share one TaskManager"
         count, rate = 4_000, 200
         inputs = InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic)
         outputs = OutputQueue(config.kafka.bootstrap_servers, config.kafka.result_topic, group_id="tm-client")
@@ -84,8 +85,8 @@ def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_
             sender.start()
             reader.start()
             time.sleep(6)
-            victim = taskmanager_pids(cluster)[0]
-            psutil.Process(victim).kill()
+            victim = busy_taskmanager(cluster, job_id)
+            victim.kill()
             killed = time.monotonic()
             sender.join(300)
             reader.join(300)
@@ -103,6 +104,20 @@ def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_
         cluster.stop()
 
 
-def taskmanager_pids(cluster: StandaloneCluster) -> list[int]:
-    return [pid for pid in cluster.processes()
-            if any("TaskManagerRunner" in part for part in psutil.Process(pid).cmdline())]
+def job_data_ports(cluster: StandaloneCluster, job_id: str) -> set[int]:
+    """The data ports of the TaskManagers that run the job's (one, chained) vertex, as Flink's REST API names them."""
+    (vertex,) = cluster.rest.job(job_id)["vertices"]
+    managers = cluster.rest.get(f"/jobs/{job_id}/vertices/{vertex['id']}/taskmanagers")["taskmanagers"]
+    return {int(manager["endpoint"].rpartition(":")[2]) for manager in managers}
+
+
+def busy_taskmanager(cluster: StandaloneCluster, job_id: str) -> psutil.Process:
+    """The process of a TaskManager that runs a subtask of the job: the one listening on its data port."""
+    ports = job_data_ports(cluster, job_id)
+    for pid in cluster.processes():
+        process = psutil.Process(pid)
+        if any("TaskManagerRunner" in part for part in process.cmdline()) and any(
+            connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports for connection in process.net_connections("tcp")
+        ):
+            return process
+    raise AssertionError(f"no TaskManager process listens on {sorted(ports)}")

@@ -49,14 +49,14 @@ def cluster_config(rest_port: int, rpc_port: int, work_dir: Path, task_slots: in
             "memory": {"process": {"size": "1024m"}},
             "execution": {"failover-strategy": "region"},
         },
-        # A job's subtasks over every TaskManager rather than filling one first: losing one
-        # TaskManager then costs a share of the job, not all of it.
-        "cluster": {"evenly-spread-out-slots": True},
         "taskmanager": {
             "bind-host": "127.0.0.1",
             "host": "127.0.0.1",
             "numberOfTaskSlots": task_slots,
             "memory": {"process": {"size": "1728m"}},
+            # A job's subtasks over every TaskManager rather than filling one first: losing one
+            # TaskManager then costs a share of the job, not all of it.
+            "load-balance": {"mode": "SLOTS"},
         },
         "rest": {"address": "127.0.0.1", "bind-address": "127.0.0.1", "port": rest_port},
         "parallelism": {"default": 1},
