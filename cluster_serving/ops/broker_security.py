@@ -30,7 +30,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from cluster_serving.ops.certificates import local_certificates
+from cluster_serving.ops.certificates import local_certificates, write_file
 
 MECHANISM = "SCRAM-SHA-256"
 USERS = ("admin", "serving", "requester")
@@ -52,11 +52,11 @@ class BrokerSecurity:
         folder.mkdir(parents=True, exist_ok=True)
         credentials = folder / "credentials.yaml"
         if not credentials.exists():
-            _write_private(credentials, yaml.safe_dump({user: secrets.token_urlsafe(24) for user in USERS}))
+            write_file(credentials, yaml.safe_dump({user: secrets.token_urlsafe(24) for user in USERS}).encode(), private=True)
         certificates = local_certificates(folder)
         keystore = folder / "keystore.pem"  # Kafka's PEM keystore: the key, then the certificate
         if not keystore.exists():
-            _write_private(keystore, certificates.key.read_text() + certificates.certificate.read_text())
+            write_file(keystore, certificates.key.read_bytes() + certificates.certificate.read_bytes(), private=True)
         return cls(folder, yaml.safe_load(credentials.read_text()))
 
     @property
@@ -73,7 +73,7 @@ class BrokerSecurity:
 
     def write_client_file(self) -> Path:
         path = self.folder / CLIENT_FILE
-        _write_private(path, yaml.safe_dump({"properties": self.client_properties()}, sort_keys=False))
+        write_file(path, yaml.safe_dump({"properties": self.client_properties()}, sort_keys=False).encode(), private=True)
         return path
 
     def server_properties(self, port: int, controller_port: int, loopback: str) -> dict[str, str]:
@@ -121,8 +121,3 @@ class BrokerSecurity:
         for future in admin.create_acls(bindings, request_timeout=30).values():
             future.result()
 
-
-def _write_private(path: Path, text: str) -> None:
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_text(text)

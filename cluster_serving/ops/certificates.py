@@ -47,10 +47,10 @@ def local_certificates(folder: Path, names: tuple[str, ...] = LOCAL_NAMES) -> Se
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
-    _write(files.key, server_key.private_bytes(
+    write_file(files.key, server_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), private=True)
-    _write(files.certificate, server.public_bytes(serialization.Encoding.PEM))
-    _write(files.ca, ca.public_bytes(serialization.Encoding.PEM))
+    write_file(files.certificate, server.public_bytes(serialization.Encoding.PEM))
+    write_file(files.ca, ca.public_bytes(serialization.Encoding.PEM))
     return files
 
 
@@ -88,7 +88,10 @@ def _is_address(name: str) -> bool:
     return True
 
 
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+def write_file(path: Path, data: bytes, private: bool = False) -> None:
+    """Writes `data`; `private`: readable by its owner only, from its creation on."""
+    mode = 0o600 if private else 0o644
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(descriptor, mode)  # a file that was there keeps its mode through os.open
     with os.fdopen(descriptor, "wb") as file:
         file.write(data)

@@ -47,6 +47,7 @@ from cluster_serving.jvm import find_java, kafka_libs
 from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.broker_security import SECURE_FOLDER, BrokerSecurity
+from cluster_serving.ops.certificates import write_file
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ def write_settings(data: Path, port: int, security: BrokerSecurity | None = None
     if security:
         properties |= security.server_properties(port, controller_port, LOOPBACK)
     path = data / "server.properties"
-    path.write_text("".join(f"{key}={value}\n" for key, value in properties.items()))
+    # Owner-only: a secured broker's settings hold its admin password.
+    write_file(path, "".join(f"{key}={value}\n" for key, value in properties.items()).encode(), private=True)
     (data / "log4j2.properties").write_text(LOG4J2.format(log_file=data / BROKER_LOG))
     return path
 
