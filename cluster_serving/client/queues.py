@@ -165,7 +165,8 @@ class InputQueue:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._refused: str | None = None  # why the broker refuses this client, once it has
         settings = {**PRODUCER_SETTINGS, **keyword_settings(kafka)}
-        self._bootstrap_servers, self._message_timeout_ms = bootstrap_servers, settings.get("delivery.timeout.ms", settings["message.timeout.ms"])
+        self._bootstrap_servers = bootstrap_servers
+        self._message_timeout_ms = settings.get("delivery.timeout.ms", settings["message.timeout.ms"])
         self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
             bootstrap_servers, settings,
             log, "requests wait in the producer until one is back", refused=self._refuse, on_delivery=self._not_delivered,
