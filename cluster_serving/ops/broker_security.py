@@ -30,6 +30,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.ops.certificates import local_certificates, write_file
 
 MECHANISM = "SCRAM-SHA-256"
@@ -106,9 +107,10 @@ class BrokerSecurity:
         """StorageTool's arguments that create the SCRAM users with a new cluster."""
         return [f"--add-scram={MECHANISM}=[name={user},password={password}]" for user, password in self.passwords.items()]
 
-    def grant(self, bootstrap: str, request_topic: str) -> None:
-        """The ACLs of `serving` (everything the project does) and `requester` (writing `request_topic`)."""
-        admin = AdminClient({"bootstrap.servers": bootstrap, **self.client_properties("admin")})
+    def grant(self, admin_connection: KafkaConnection, request_topic: str) -> None:
+        """The ACLs of `serving` (everything the project does) and `requester` (writing `request_topic`),
+        granted over `admin_connection` (the `admin` user's)."""
+        admin = AdminClient({"bootstrap.servers": admin_connection.bootstrap_servers, **admin_connection.properties})
         allow = AclPermissionType.ALLOW
         bindings = [
             AclBinding(kind, name, ResourcePatternType.LITERAL, "User:serving", "*", AclOperation.ALL, allow)

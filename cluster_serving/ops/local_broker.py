@@ -36,7 +36,6 @@ import time
 import uuid
 from pathlib import Path
 
-import yaml
 from confluent_kafka import KafkaException
 from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
@@ -254,9 +253,11 @@ def admin_connection(port: int, security: BrokerSecurity | None) -> KafkaConnect
     return KafkaConnection(f"{LOOPBACK}:{port}", security.client_properties("admin") if security else {})
 
 
-def start(data: Path, port: int, fresh: bool, libs: Path | None = None, secure: bool = False) -> subprocess.Popen[bytes]:
-    """Starts the broker's JVM (formatting the folder first when new); returns once it serves.
-    `secure`: TLS, SCRAM users and ACLs (cluster_serving/ops/broker_security.py)."""
+def start(
+    data: Path, port: int, fresh: bool, libs: Path | None = None, secure: bool = False
+) -> tuple[subprocess.Popen[bytes], BrokerSecurity | None]:
+    """Starts the broker's JVM (formatting the folder first when new); returns it once it serves,
+    with its security settings when `secure` (TLS, SCRAM users and ACLs: cluster_serving/ops/broker_security.py)."""
     version = kafka_version(libs)
     find_java()
     if port_taken(LOOPBACK, port):
@@ -279,7 +280,7 @@ def start(data: Path, port: int, fresh: bool, libs: Path | None = None, secure: 
     except BaseException:
         stop(process)
         raise
-    return process
+    return process, security
 
 
 def secure_settings(data: Path) -> BrokerSecurity:
@@ -344,17 +345,18 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or pick_port()
     data = args.data.resolve()
     try:
-        process = start(data, port, args.fresh, secure=args.secure)
-        security = BrokerSecurity.of(data) if args.secure else None
-        create_topics(admin_connection(port, security), args.topic)
+        process, security = start(data, port, args.fresh, secure=args.secure)
+        admin = admin_connection(port, security)
+        create_topics(admin, args.topic)
         if security:
-            security.grant(f"{LOOPBACK}:{port}", args.request_topic or load_config().kafka.input_topic)
+            security.grant(admin, args.request_topic or load_config().kafka.input_topic)
     except (BrokerError, ConfigError, OSError, KafkaException) as exc:  # OSError: a data folder that cannot be written
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if security:
-        print(f"secured: TLS, SASL/SCRAM and ACLs; the client settings ({security.write_client_file()}):\n"
-              f"{yaml.safe_dump({'properties': security.client_properties()}, sort_keys=False)}", end="", flush=True)
+        client_file = security.write_client_file()
+        print(f"secured: TLS, SASL/SCRAM and ACLs; the client settings ({client_file}):\n{client_file.read_text()}",
+              end="", flush=True)
     print(f"{READY_PREFIX}{LOOPBACK}:{port} in {time.monotonic() - began:.1f} s (data: {data})", flush=True)
     while not stopping and process.poll() is None:
         time.sleep(0.2)
