@@ -138,7 +138,7 @@ def build_resnet50(path: Path) -> Path:
         raise SystemExit("error: --model resnet50 needs torch and torchvision installed") from None
     model = torchvision.models.resnet50(weights=None).eval()
     torch.onnx.export(model, torch.zeros(1, 3, 224, 224), str(path), input_names=["input"], output_names=["logits"],
-                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17)
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17, dynamo=False)
     return path
 
 

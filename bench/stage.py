@@ -5,7 +5,9 @@ JVM sends it (requests encoded as `InputQueue.enqueue` encodes them) -> decode -
 decoded, the model run) -> encode -> the results' frame. No Kafka, no Flink, no Java: it runs
 wherever Python and ONNX Runtime do, a GPU machine included. From one run it prints, per input
 kind and batch size: raw ORT on a ready batch, raw ORT with inputs and outputs bound on the device
-(CUDA only), the serving stage, and the stage's time inside `session.run` apart.
+(CUDA only), the serving stage, and the stage's time inside `session.run` apart. With
+`--processes 2,4`, the stage also runs in that many processes at once, as that many job subtasks
+would share one GPU, and their requests/s add up.
 
     cluster-serving bench stage --model conv224 --inputs tensor,jpeg --batch 32,128
 """
@@ -16,6 +18,7 @@ import argparse
 import base64
 import importlib
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -52,6 +55,8 @@ class Row:
     raw_ort_bound: float | None
     stage: float
     stage_in_run: float  # the share of the stage's time inside session.run
+    run_size: int = 0  # rows per session.run, raw and stage alike (0: the batch)
+    stage_processes: dict[int, float] | None = None  # processes -> their requests/s together
 
     @property
     def ratio(self) -> float:
@@ -64,7 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--inputs", default="tensor,jpeg", help="request kinds: tensor, jpeg (image models only)")
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
+    parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
+    parser.add_argument("--processes", default="", help="also run the stage in this many processes at once, comma separated")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's intra-op threads (0: one per core)")
+    parser.add_argument("--decode-threads", type=int, default=0, help="model.decode_threads, the image decoders (0: one per core)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per measurement")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     return parser.parse_args(argv)
@@ -100,33 +108,37 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     spec = session.get_inputs()[0]
     shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
     samples = np.random.default_rng(0).random(shape, dtype=np.float32)
-    raw = raw_ort(session, {spec.name: samples}, batch, args.seconds)
-    bound = raw_ort_bound(session, {spec.name: samples}, batch, args.seconds) if args.device == "cuda" else None
+    runs = [samples[start:start + (args.run_size or batch)] for start in range(0, batch, args.run_size or batch)]
+    raw = raw_ort(session, spec.name, runs, args.seconds)
+    bound = raw_ort_bound(session, spec.name, runs, args.seconds) if args.device == "cuda" else None
     config = stage_config(model, spec.name, kind, shape, batch, args)
     records = requests(spec.name, kind, samples)
     stage, in_run = serving_stage(config, records, batch, args.seconds)
-    return Row(label, kind, batch, args.device, raw, bound, stage, in_run)
+    together = {count: stage_in_processes(config, records, batch, args.seconds, count) for count in _counts(args.processes)}
+    return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None)
 
 
-def raw_ort(session: ort.InferenceSession, feed: dict[str, np.ndarray], batch: int, seconds: float) -> float:
-    """Requests/s of session.run on a ready batch."""
-    return batch / _per_call(lambda: session.run(None, feed), seconds)
+def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
+    """Requests/s of session.run on ready batches, one run per item of `runs`."""
+    return sum(map(len, runs)) / _per_call(lambda: [session.run(None, {name: rows}) for rows in runs], seconds)
 
 
-def raw_ort_bound(session: ort.InferenceSession, feed: dict[str, np.ndarray], batch: int, seconds: float) -> float:
+def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
     """Requests/s with inputs copied to the device once and outputs left there (I/O binding)."""
-    binding = session.io_binding()
-    for name, value in feed.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0))
-    for output in session.get_outputs():
-        binding.bind_output(output.name, "cuda", 0)
-    return batch / _per_call(lambda: session.run_with_iobinding(binding), seconds)
+    bindings = []
+    for rows in runs:
+        binding = session.io_binding()
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(rows, "cuda", 0))
+        for output in session.get_outputs():
+            binding.bind_output(output.name, "cuda", 0)
+        bindings.append(binding)
+    return sum(map(len, runs)) / _per_call(lambda: [session.run_with_iobinding(binding) for binding in bindings], seconds)
 
 
 def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, args: argparse.Namespace) -> ServingConfig:
     overrides = {
-        "model.path": str(model), "model.threads": args.threads, "device": args.device,
-        "batching.batch_size": batch, "limits.max_instance_bytes": 64 << 20,
+        "model.path": str(model), "model.threads": args.threads, "model.decode_threads": args.decode_threads, "device": args.device,
+        "batching.batch_size": batch, "batching.run_batch_size": args.run_size, "limits.max_instance_bytes": 64 << 20,
     }
     if kind == "jpeg":
         channels_first = shape[1] == 3
@@ -158,16 +170,8 @@ def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch
     if len(results) != batch or errors:
         fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
     in_run = [0.0]
-    run = session.run
-
-    def timed_run(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            in_run[0] += time.perf_counter() - started
-
-    session.run = timed_run
+    for method in ("run", "run_with_iobinding"):  # the host path runs, the device path runs bound
+        setattr(session, method, _timed(getattr(session, method), in_run))
     calls = [0]
 
     def serve() -> None:
@@ -176,6 +180,29 @@ def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch
 
     per_call = _per_call(serve, seconds, reset=lambda: (in_run.__setitem__(0, 0.0), calls.__setitem__(0, 0)))
     return batch / per_call, in_run[0] / (per_call * calls[0])
+
+
+def _timed(call: Callable[..., object], total: list[float]) -> Callable[..., object]:
+    """`call`, adding the seconds each call takes to total[0]."""
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - started
+
+    return timed
+
+
+def stage_in_processes(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, seconds: float, count: int) -> float:
+    """Requests/s of `count` processes serving the same batches at once, added up."""
+    with multiprocessing.get_context("spawn").Pool(count) as pool:
+        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, batch, seconds)] * count))
+
+
+def _counts(text: str) -> list[int]:
+    return [int(count) for count in text.split(",") if count]
 
 
 def _per_call(call: Callable[[], object], seconds: float, reset: Callable[[], object] = lambda: None) -> float:
@@ -197,14 +224,18 @@ def fail(message: str) -> NoReturn:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'model':<10} {'inputs':<7} {'batch':>5} {'device':<6} {'raw ORT':>10} {'raw bound':>10} "
+    print(f"{'model':<10} {'inputs':<7} {'batch':>5} {'run':>4} {'device':<6} {'raw ORT':>10} {'raw bound':>10} "
           f"{'stage':>10} {'in run':>7} {'stage/raw':>9}")
     for row in rows:
         bound = f"{row.raw_ort_bound:10,.0f}" if row.raw_ort_bound else f"{'-':>10}"
-        print(f"{row.model:<10} {row.inputs:<7} {row.batch:>5} {row.device:<6} {row.raw_ort:10,.0f} {bound} "
-              f"{row.stage:10,.0f} {row.stage_in_run:7.0%} {row.ratio:9.3f}")
-    print("req/s; 'in run': the stage's share of time inside session.run; stage/raw: against raw ORT "
-          "with I/O bound where measured, else plain raw ORT, same batch and threads")
+        print(f"{row.model:<10} {row.inputs:<7} {row.batch:>5} {row.run_size or row.batch:>4} {row.device:<6} "
+              f"{row.raw_ort:10,.0f} {bound} {row.stage:10,.0f} {row.stage_in_run:7.0%} {row.ratio:9.3f}")
+    print("req/s; run: rows per session.run; 'in run': the stage's share of time inside session.run; stage/raw: "
+          "against raw ORT with I/O bound where measured, else plain raw ORT, same batch, run size and threads")
+    for row in rows:
+        if row.stage_processes:
+            shown = ", ".join(f"{count}: {rate:,.0f}" for count, rate in row.stage_processes.items())
+            print(f"{row.model} {row.inputs} batch {row.batch}, the stage in processes at once (req/s together): 1: {row.stage:,.0f}, {shown}")
 
 
 if __name__ == "__main__":

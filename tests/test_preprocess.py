@@ -49,6 +49,13 @@ def test_image_chw_float_scaled_and_normalised() -> None:
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels", ["RGB", "L"])
+def test_image_hwc_float_scaled_without_mean_or_std(channels: str) -> None:
+    out = decode_image("i", png(), ImageConfig(channels=channels, dtype="float32"), 10_000)
+    pixels = PIXELS if channels == "RGB" else np.asarray(Image.fromarray(PIXELS).convert("L"))[:, :, None]
+    np.testing.assert_allclose(out, pixels.astype(np.float32) / 255, rtol=1e-6)
+
+
 def test_image_resize_bgr_and_grayscale() -> None:
     resized = decode_image("i", png(), ImageConfig(resize=(3, 4), channels="BGR"), 10_000)
     expected = np.asarray(Image.fromarray(PIXELS).resize((4, 3), Image.Resampling.BILINEAR))[:, :, ::-1]

@@ -5,13 +5,16 @@ the batch's servable is known, as its settings say (`prepare_instances`, called 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+
+import numpy as np
 
 from cluster_serving.config import ImageConfig, LimitsConfig
 from cluster_serving.runtime.frames import read_frame
 from cluster_serving.runtime.outcomes import InvalidInput, error_result, reason
-from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, decode_images, prepare_values
+from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, BatchArray, decode_images, prepare_values
 from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, EncodedImage, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -68,13 +71,15 @@ def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig
 
 
 def prepare_instances(
-    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None = None
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None = None,
+    batch_array: Callable[[str], BatchArray] | None = None,
 ) -> tuple[list[Message], list[Message]]:
     """(instances whose values are all arrays now, error results): images decoded, an input's
-    images of the whole batch together in `pool` (decode_images), and sparse tensors made dense.
+    images of the whole batch together in `pool` into `batch_array(input)`'s array
+    (decode_images), and sparse tensors made dense.
     Format v2 holds dense tensors only: nothing to do. As in decode_records, any exception is
     that request's error result."""
-    refused = _decode_images(instances, images, limits, pool)
+    refused = _decode_images(instances, images, limits, pool, batch_array)
     ready, rejected = [], []
     for index, message in enumerate(instances):
         try:
@@ -90,7 +95,8 @@ def prepare_instances(
 
 
 def _decode_images(
-    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None
+    instances: list[Message], images: dict[str, ImageConfig], limits: LimitsConfig, pool: Executor | None,
+    batch_array: Callable[[str], BatchArray] | None,
 ) -> dict[int, InvalidInput]:
     """Puts each instance's decoded images in its tensors; returns why, by instance, an image did not decode."""
     inputs: dict[str, list[int]] = {}
@@ -101,7 +107,8 @@ def _decode_images(
     refused: dict[int, InvalidInput] = {}
     for name, indices in inputs.items():
         datas = [instances[index].tensors[name].data for index in indices]
-        arrays = decode_images(name, datas, images.get(name, DEFAULT_IMAGE), limits.max_image_pixels, pool)
+        config = images.get(name, DEFAULT_IMAGE)
+        arrays = decode_images(name, datas, config, limits.max_image_pixels, pool, batch_array(name) if batch_array else np.empty)
         for index, array in zip(indices, arrays):
             if isinstance(array, InvalidInput):
                 refused.setdefault(index, array)

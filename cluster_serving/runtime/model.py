@@ -9,7 +9,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cluster_serving.config import ImageConfig
+from cluster_serving.runtime.device_io import BoundRunner
 from cluster_serving.runtime.outcomes import InvalidInput
+from cluster_serving.runtime.pixel_graph import normalised_in_graph, pixels_only, with_pixel_inputs
+from cluster_serving.runtime.preprocess import BatchArray
 from cluster_serving.wire.tensors import TensorError, TensorSpec, cast_changes_values, config_mismatch, onnx_spec, stacks
 
 log = logging.getLogger(__name__)
@@ -19,10 +23,11 @@ class ModelError(RuntimeError):
     """The model cannot be served as configured (load failure, unusable device, name mismatch)."""
 
 
-def open_session(path: Path, device: str, threads: int = 1) -> ort.InferenceSession:
+def open_session(path: Path, device: str, threads: int = 1, model: bytes | None = None) -> ort.InferenceSession:
     """Opens the model on CUDA when asked for and usable, else on the CPU; `cuda` never falls back.
 
-    `threads`: ONNX Runtime's intra-op threads (0: one per core, its default). Its pool threads
+    `model`: the model's bytes, when they are not the file's (pixel_graph's). `threads`: ONNX
+    Runtime's intra-op threads (0: one per core, its default). Its pool threads
     never spin-wait for work: spinning kept a core busy between batches, the core the Kafka
     clients, the broker and the JVM needed."""
     want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
@@ -35,7 +40,7 @@ def open_session(path: Path, device: str, threads: int = 1) -> ort.InferenceSess
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
-        session = ort.InferenceSession(str(path), options, providers=providers)
+        session = ort.InferenceSession(model or str(path), options, providers=providers)
     except Exception as exc:
         raise ModelError(f"cannot load model {path}: {exc}") from None
     finally:
@@ -47,13 +52,23 @@ def open_session(path: Path, device: str, threads: int = 1) -> ort.InferenceSess
 
 
 class OnnxModel:
-    """The served model. Input and output names are checked against the config once, at open."""
+    """The served model. Input and output names are checked against the config once, at open.
+
+    On a GPU (or wherever `on_device` says), batches move through a BoundRunner (device_io.py)
+    and the image inputs in `images` are normalised by nodes in front of the model
+    (pixel_graph.py): `images` then says how the host decodes them, as plain pixels."""
 
     def __init__(
-        self, path: Path, device: str, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), threads: int = 1
+        self, path: Path, device: str, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), threads: int = 1,
+        images: dict[str, ImageConfig] | None = None, on_device: bool | None = None,
     ):
         self.session = open_session(path, device, threads)
         self.provider = self.session.get_providers()[0]
+        self.images = dict(images or {})
+        self.on_device = self.provider == "CUDAExecutionProvider" if on_device is None else on_device
+        in_graph = normalised_in_graph(self.images) if self.on_device else {}
+        if in_graph:
+            self._normalise_in_graph(path, device, threads, in_graph)
         try:
             self.inputs = [onnx_spec(node.name, node.type, node.shape) for node in self.session.get_inputs()]
         except TensorError as exc:
@@ -64,6 +79,25 @@ class OnnxModel:
             raise ModelError(problem)
         self.output_names = list(outputs) or model_outputs
         self.batched = stacks(self.inputs)
+        bindable = self.on_device and all(spec.dtype.kind != "O" for spec in self.inputs)
+        self.runner = BoundRunner(self.session, self.output_names, "cuda" if self.provider == "CUDAExecutionProvider" else "cpu") if bindable else None
+
+    def _normalise_in_graph(self, path: Path, device: str, threads: int, images: dict[str, ImageConfig]) -> None:
+        """Reopens the session with pixel_graph's nodes in front; where the model cannot take
+        them, the host keeps normalising (same results, more bytes to the device)."""
+        try:
+            self.session = open_session(path, device, threads, with_pixel_inputs(path, images))
+        except Exception as exc:
+            log.warning("model %s: images stay normalised on the host: %s", path, exc)
+            return
+        self.images |= {name: pixels_only(config) for name, config in images.items()}
+
+    def batch_array(self, name: str) -> BatchArray:
+        """Makes the array a batch's images of input `name` are decoded into: the runner's
+        page-locked buffer on the device path, else a new one."""
+        if self.runner is None:
+            return np.empty
+        return lambda shape, dtype: self.runner.decode_buffer(name, shape[0], shape[1:], dtype)
 
     def prepare(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Checks one instance against the model and casts within a dtype kind (float64 -> float32)."""
@@ -106,17 +140,21 @@ class OnnxModel:
         """Instances that share a shape signature, stacked along a new first dimension and cast
         to the model's dtypes (a no-op for prepared ones), run `run_size` rows at a time (0: all
         in one run); row i of each output belongs to feeds[i]. Batched models only."""
-        stacked = {spec.name: stack_rows([feed[spec.name] for feed in feeds]).astype(spec.dtype, copy=False) for spec in self.inputs}
+        columns = {spec.name: [feed[spec.name] for feed in feeds] for spec in self.inputs}
         step = run_size or len(feeds)
-        runs = [self._run_rows({name: value[start:start + step] for name, value in stacked.items()})
+        runs = [self._run_rows({name: rows[start:start + step] for name, rows in columns.items()})
                 for start in range(0, len(feeds), step)]
         if len(runs) == 1:
             return runs[0]
         return {name: np.concatenate([run[name] for run in runs]) for name in self.output_names}
 
-    def _run_rows(self, stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = len(next(iter(stacked.values())))
-        outputs = self.session.run(self.output_names, stacked)
+    def _run_rows(self, columns: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+        rows = len(next(iter(columns.values())))
+        if self.runner is not None:
+            outputs = self.runner.run(columns, {spec.name: spec.dtype for spec in self.inputs})
+        else:
+            stacked = {spec.name: stack_rows(columns[spec.name]).astype(spec.dtype, copy=False) for spec in self.inputs}
+            outputs = self.session.run(self.output_names, stacked)
         for name, value in zip(self.output_names, outputs):
             if value.ndim == 0 or value.shape[0] != rows:
                 raise ModelError(f"output {name!r} does not keep the batch dimension")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 import numpy as np
@@ -37,6 +37,8 @@ JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
 HEADER_READERS = ((JPEG_MAGIC, JpegImageFile), (PNG_MAGIC, PngImageFile))
 # libjpeg-turbo's names of the colour spaces it converts from itself; others (CMYK, YCCK) go to Pillow.
 TURBO_COLORSPACES = {"Gray", "YCbCr", "RGB"}
+# Makes the array a batch's images are decoded into, from its shape and dtype.
+BatchArray = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
 def prepare_values(
@@ -73,20 +75,32 @@ def decode_image(name: str, data: bytes, config: ImageConfig, max_pixels: int) -
 
 
 def decode_images(
-    name: str, images: Sequence[bytes], config: ImageConfig, max_pixels: int, pool: Executor | None = None
+    name: str, images: Sequence[bytes], config: ImageConfig, max_pixels: int, pool: Executor | None = None,
+    batch_array: BatchArray = np.empty,
 ) -> list[np.ndarray | InvalidInput]:
     """Each image of one input as decode_image makes it, or the InvalidInput that refuses it,
-    decoded in `pool` (None: in this thread). With a fixed size (`resize`), the arrays are the
-    rows, in order, of one batch array: a failed image takes no row, so the others adjoin."""
+    decoded in `pool` (None: in this thread). With a fixed size (`resize`), each image is decoded
+    and laid out by one task straight into its row of one batch array from `batch_array(shape,
+    dtype)` (the model's page-locked buffer on a GPU); the rows of failed images are closed up,
+    so the arrays returned adjoin, in order."""
     each = pool.map if pool is not None else map
-    decoded = list(each(lambda data: _pixels_or_error(name, data, config, max_pixels), images))
-    good = [pixels for pixels in decoded if not isinstance(pixels, InvalidInput)]
-    if config.resize is None or not good:
-        outs = [np.empty(tensor_shape(pixels.shape, config), config.dtype) for pixels in good]
-    else:
-        outs = list(np.empty((len(good), *tensor_shape(good[0].shape, config)), config.dtype))
-    laid = iter(list(each(lambda pair: _laid_out_or_error(name, *pair, config), zip(good, outs))))
-    return [pixels if isinstance(pixels, InvalidInput) else next(laid) for pixels in decoded]
+    if config.resize is None:
+        decoded = list(each(lambda data: _pixels_or_error(name, data, config, max_pixels), images))
+        return [pixels if isinstance(pixels, InvalidInput) else _laid_out_or_error(
+            name, pixels, np.empty(tensor_shape(pixels.shape, config), config.dtype), config) for pixels in decoded]
+    batch = batch_array((len(images), *tensor_shape(tuple(config.resize), config)), np.dtype(config.dtype))
+    results = list(each(lambda pair: _decoded_into(name, *pair, config, max_pixels), zip(images, batch)))
+    good = [index for index, result in enumerate(results) if not isinstance(result, InvalidInput)]
+    for row, index in enumerate(good):
+        if row != index:
+            batch[row] = batch[index]
+    rows = iter(batch[:len(good)])
+    return [result if isinstance(result, InvalidInput) else next(rows) for result in results]
+
+
+def _decoded_into(name: str, data: bytes, out: np.ndarray, config: ImageConfig, max_pixels: int) -> np.ndarray | InvalidInput:
+    pixels = _pixels_or_error(name, data, config, max_pixels)
+    return pixels if isinstance(pixels, InvalidInput) else _laid_out_or_error(name, pixels, out, config)
 
 
 def _laid_out_or_error(name: str, pixels: np.ndarray, out: np.ndarray, config: ImageConfig) -> np.ndarray | InvalidInput:
@@ -170,15 +184,15 @@ def lay_out(pixels: np.ndarray, config: ImageConfig, out: np.ndarray) -> None:
     if config.dtype == "uint8":
         np.copyto(target, source)
         return
-    factor, offset = _affine(config)
+    factor, offset = affine(config)
     np.multiply(source, np.tile(factor, repeat), out=target)
     if offset is not None:
         np.subtract(target, np.tile(offset, repeat), out=target)
 
 
-def _affine(config: ImageConfig) -> tuple[np.ndarray, np.ndarray | None]:
+def affine(config: ImageConfig) -> tuple[np.ndarray, np.ndarray | None]:
     """Per-channel factor and offset, shaped to broadcast over the channel axis of the layout."""
-    std = np.asarray(config.std or (1.0,), np.float64)
+    std = np.asarray(config.std or (1.0,) * (1 if config.channels == "L" else 3), np.float64)
     shape = (-1, 1, 1) if config.layout == "CHW" else (-1,)
     factor = (config.scale / std).astype(config.dtype).reshape(shape)
     offset = (np.asarray(config.mean, np.float64) / std).astype(config.dtype).reshape(shape) if config.mean else None

@@ -32,7 +32,7 @@ class RouteError(LookupError):
 def open_version(servable: Servable, version: int, device: str, threads: int) -> OnnxModel:
     """One version's session, checked against its servable.yaml (inputs, outputs, image inputs)."""
     settings = servable.config
-    model = OnnxModel(servable.path(version), device, settings.inputs, settings.outputs, threads)
+    model = OnnxModel(servable.path(version), device, settings.inputs, settings.outputs, threads, settings.preprocess.images)
     problem = config_mismatch(
         [spec.name for spec in model.inputs], model.output_names, image_inputs=tuple(settings.preprocess.images)
     )

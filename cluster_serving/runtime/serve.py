@@ -100,7 +100,11 @@ class BatchServer:
 
     def serve(self, served: Served, version: int, instances: list[Message]) -> list[Outcome]:
         settings = served.servable.config
-        ready, errors = prepare_instances(instances, settings.preprocess.images, self.config.limits, self.decode_pool)
+        model = None if served.servable.is_pipeline else served.models[version]
+        images = settings.preprocess.images if model is None else model.images  # the model's: plain pixels on a GPU
+        ready, errors = prepare_instances(
+            instances, images, self.config.limits, self.decode_pool, model.batch_array if model is not None else None
+        )
         ready, refused = apply_stage(served.preprocess, settings.preprocess.batched, ready, "preprocess")
         errors += refused
         if served.servable.is_pipeline:
@@ -110,7 +114,7 @@ class BatchServer:
                 log.warning("pipeline %s: %s", served.servable.name, exc)
                 outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
         else:
-            outcomes = predict(served.models[version], ready, served.servable.batching.run_batch_size)
+            outcomes = predict(model, ready, served.servable.batching.run_batch_size)
         if served.postprocess is not None or settings.postprocess.top_n:
             results, refused = apply_stage(served.postprocess, settings.postprocess.batched, as_messages(outcomes), "postprocess")
             errors += refused

@@ -1,0 +1,108 @@
+"""The path a batch takes to a GPU, run on the CPU provider (which accepts bound inputs too): rows
+written into reused host buffers and bound (device_io.BoundRunner), and image normalisation as
+nodes in front of the model (pixel_graph). Each must give what the host path gives."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from PIL import Image
+
+from cluster_serving.config import ImageConfig, LimitsConfig
+from cluster_serving.ops.sample_model import FEATURES, build_sample_model
+from cluster_serving.runtime.decode import prepare_instances
+from cluster_serving.runtime.device_io import COPY_THREADS, PARALLEL_COPY_BYTES
+from cluster_serving.runtime.infer import predict
+from cluster_serving.runtime.model import OnnxModel
+from cluster_serving.runtime.outcomes import as_messages
+from cluster_serving.runtime.preprocess import decode_image
+from cluster_serving.wire.codec import decode_message
+from cluster_serving.wire.inputs import encode_request
+from tests.onnx_models import graph_model
+
+LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def sample_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_sample_model(tmp_path_factory.mktemp("bound") / "sample.onnx")
+
+
+def test_bound_runs_give_what_plain_runs_give(sample_path: Path) -> None:
+    """Batches of rows scattered in memory, smaller and larger than the one before (the buffer is
+    reused, then grown), float64 rows cast into the float32 buffer, and runs of 2."""
+    bound, plain = OnnxModel(sample_path, "cpu", on_device=True), OnnxModel(sample_path, "cpu", on_device=False)
+    assert bound.runner is not None and plain.runner is None
+    rng = np.random.default_rng(5)
+    for count, dtype, run_size in ((6, np.float32, 0), (3, np.float32, 0), (11, np.float64, 0), (7, np.float32, 2)):
+        scattered = rng.normal(size=(count, FEATURES + 3)).astype(dtype)
+        feeds = [{"features": row[1:FEATURES + 1]} for row in scattered]
+        got, want = bound.run_stacked(feeds, run_size), plain.run_stacked(feeds, run_size)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].shape[0] == count
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+    assert len(bound.runner.staging["features"].array) == 11  # grown once, to the largest batch
+
+
+def test_a_large_batch_is_copied_into_place_by_several_threads(tmp_path: Path) -> None:
+    """Rows of 602 KB, over PARALLEL_COPY_BYTES together: each lands in its own row, in order."""
+    shape = [3, 224, 224]
+    path = graph_model(tmp_path / "large.onnx", [("x", TensorProto.FLOAT, shape)], [helper.make_node("Identity", ["x"], ["y"])],
+                       [("y", TensorProto.FLOAT, shape)])
+    model = OnnxModel(path, "cpu", on_device=True)
+    frame = np.random.default_rng(2).random(13 * 150528 + 5, dtype=np.float32)
+    rows = [frame[5 + i * 150528:5 + (i + 1) * 150528].reshape(shape) for i in range(13)]
+    assert 13 * rows[0].nbytes >= PARALLEL_COPY_BYTES and COPY_THREADS > 1
+    np.testing.assert_array_equal(model.run_stacked([{"x": row} for row in rows])["y"], np.stack(rows))
+
+
+def identity_model(path: Path, layout: str, dtype: int) -> Path:
+    """Its input as its output: what the nodes in front of it make of the pixels, to compare."""
+    shape = [3, 6, 8] if layout == "CHW" else [6, 8, 3]
+    return graph_model(path, [("x", dtype, shape)], [helper.make_node("Identity", ["x"], ["y"])], [("y", dtype, shape)])
+
+
+def image_request(uri: str, data: bytes) -> bytes:
+    return encode_request(uri, {"x": {"b64": base64.b64encode(data).decode()}})
+
+
+def encoded(pixels: np.ndarray, kind: str) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, kind)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(("layout", "dtype", "onnx_type", "settings"), [
+    ("CHW", "float32", TensorProto.FLOAT, {"mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}),
+    ("HWC", "float16", TensorProto.FLOAT16, {"channels": "BGR", "scale": 2.0}),
+])
+def test_images_normalised_by_nodes_in_front_of_the_model(
+    tmp_path: Path, layout: str, dtype: str, onnx_type: int, settings: dict[str, object]
+) -> None:
+    """The host decodes plain pixels into the runner's buffer, bound as they lie; the model's
+    nodes lay them out and normalise them as the host would have; a bad image among good ones
+    is that request's error alone."""
+    config = ImageConfig(resize=(6, 8), layout=layout, dtype=dtype, **settings)
+    path = identity_model(tmp_path / "identity.onnx", layout, onnx_type)
+    model = OnnxModel(path, "cpu", images={"x": config}, on_device=True)
+    assert model.images["x"] == ImageConfig(channels=config.channels, resize=(6, 8))
+    assert model.inputs[0].dtype == np.uint8 and model.inputs[0].shape[1:] == (6, 8, 3)
+    rng = np.random.default_rng(9)
+    photos = [encoded(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8), kind) for kind in ("JPEG", "PNG", "JPEG")]
+    datas = [photos[0], b"\xff\xd8\xff" + b"\x00" * 64, photos[1], photos[2]]
+    instances = [decode_message(image_request(f"r{i}", data), 1 << 20) for i, data in enumerate(datas)]
+    with ThreadPoolExecutor(2) as pool:
+        ready, errors = prepare_instances(instances, model.images, LIMITS, pool, model.batch_array)
+        results = {message.uri: message for message in as_messages(predict(model, ready))}
+    assert [message.uri for message in errors] == ["r1"] and errors[0].error.startswith("invalid input: image 'x' does not decode")
+    assert "x" not in model.runner.staging  # the decoded rows were bound where they lay
+    for uri, data in (("r0", photos[0]), ("r2", photos[1]), ("r3", photos[2])):
+        want = decode_image("x", data, config, 1 << 20)
+        np.testing.assert_allclose(results[uri].tensors["y"], want, rtol=1e-3 if dtype == "float16" else 1e-6)
