@@ -5,6 +5,7 @@ nodes in front of the model (pixel_graph). Each must give what the host path giv
 from __future__ import annotations
 
 import base64
+import sys
 import io
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 from PIL import Image
 
+import cluster_serving.runtime
 from cluster_serving.config import ImageConfig, LimitsConfig
 from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 from cluster_serving.runtime.decode import prepare_instances
@@ -106,3 +108,19 @@ def test_images_normalised_by_nodes_in_front_of_the_model(
     for uri, data in (("r0", photos[0]), ("r2", photos[1]), ("r3", photos[2])):
         want = decode_image("x", data, config, 1 << 20)
         np.testing.assert_allclose(results[uri].tensors["y"], want, rtol=1e-3 if dtype == "float16" else 1e-6)
+
+
+def test_without_onnx_the_host_keeps_normalising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """pixel_graph needs the onnx package: a runtime without it serves the same images, normalised
+    on the host, and says so once in the log."""
+    monkeypatch.setitem(sys.modules, "cluster_serving.runtime.pixel_graph", None)  # its import fails
+    monkeypatch.delattr(cluster_serving.runtime, "pixel_graph", raising=False)
+    config = ImageConfig(resize=(6, 8), layout="CHW", dtype="float32", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    model = OnnxModel(identity_model(tmp_path / "identity.onnx", "CHW", TensorProto.FLOAT), "cpu", images={"x": config}, on_device=True)
+    assert model.images["x"] == config and model.inputs[0].dtype == np.float32 and model.runner is not None
+    assert "images stay normalised on the host" in caplog.text
+    photo = encoded(np.random.default_rng(4).integers(0, 256, (6, 8, 3), dtype=np.uint8), "PNG")
+    ready, errors = prepare_instances([decode_message(image_request("r0", photo), 1 << 20)], model.images, LIMITS, None, model.batch_array)
+    [result] = as_messages(predict(model, ready))
+    assert not errors
+    np.testing.assert_allclose(result.tensors["y"], decode_image("x", photo, config, 1 << 20), rtol=1e-6)

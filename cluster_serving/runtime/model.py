@@ -12,7 +12,6 @@ import onnxruntime as ort
 from cluster_serving.config import ImageConfig
 from cluster_serving.runtime.device_io import BoundRunner
 from cluster_serving.runtime.outcomes import InvalidInput
-from cluster_serving.runtime.pixel_graph import normalised_in_graph, pixels_only, with_pixel_inputs
 from cluster_serving.runtime.preprocess import BatchArray
 from cluster_serving.wire.tensors import TensorError, TensorSpec, cast_changes_values, config_mismatch, onnx_spec, stacks
 
@@ -66,9 +65,8 @@ class OnnxModel:
         self.provider = self.session.get_providers()[0]
         self.images = dict(images or {})
         self.on_device = self.provider == "CUDAExecutionProvider" if on_device is None else on_device
-        in_graph = normalised_in_graph(self.images) if self.on_device else {}
-        if in_graph:
-            self._normalise_in_graph(path, device, threads, in_graph)
+        if self.on_device and self.images:
+            self._normalise_in_graph(path, device, threads)
         try:
             self.inputs = [onnx_spec(node.name, node.type, node.shape) for node in self.session.get_inputs()]
         except TensorError as exc:
@@ -82,15 +80,21 @@ class OnnxModel:
         bindable = self.on_device and all(spec.dtype.kind != "O" for spec in self.inputs)
         self.runner = BoundRunner(self.session, self.output_names, "cuda" if self.provider == "CUDAExecutionProvider" else "cpu") if bindable else None
 
-    def _normalise_in_graph(self, path: Path, device: str, threads: int, images: dict[str, ImageConfig]) -> None:
-        """Reopens the session with pixel_graph's nodes in front; where the model cannot take
-        them, the host keeps normalising (same results, more bytes to the device)."""
+    def _normalise_in_graph(self, path: Path, device: str, threads: int) -> None:
+        """Reopens the session with pixel_graph's nodes in front of the image inputs that need
+        them. Where that cannot be (no onnx package, a graph that cannot take them), the host
+        keeps normalising: same results, more bytes to the device."""
         try:
-            self.session = open_session(path, device, threads, with_pixel_inputs(path, images))
+            from cluster_serving.runtime import pixel_graph  # needs onnx, which the runtime does without elsewhere
+
+            images = pixel_graph.normalised_in_graph(self.images)
+            if not images:
+                return
+            self.session = open_session(path, device, threads, pixel_graph.with_pixel_inputs(path, images))
         except Exception as exc:
             log.warning("model %s: images stay normalised on the host: %s", path, exc)
             return
-        self.images |= {name: pixels_only(config) for name, config in images.items()}
+        self.images |= {name: pixel_graph.pixels_only(config) for name, config in images.items()}
 
     def batch_array(self, name: str) -> BatchArray:
         """Makes the array a batch's images of input `name` are decoded into: the runner's
