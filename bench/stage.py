@@ -6,8 +6,9 @@ decoded, the model run) -> encode -> the results' frame. No Kafka, no Flink, no 
 wherever Python and ONNX Runtime do, a GPU machine included. From one run it prints, per input
 kind and batch size: raw ORT on a ready batch, raw ORT with inputs and outputs bound on the device
 (CUDA only), the serving stage, and the stage's time inside `session.run` apart. With
-`--processes 2,4`, the stage also runs in that many processes at once, as that many job subtasks
-would share one GPU, and their requests/s add up.
+`--instances 2,4`, the stage also runs as that many instances at once, in processes (job subtasks
+in TaskManagers of one slot) or threads (`--instances-in threads`: subtasks of one TaskManager, in
+PyFlink's thread mode), sharing one GPU; their requests/s add up.
 
     cluster-serving bench stage --model conv224 --inputs tensor,jpeg --batch 32,128
 """
@@ -19,6 +20,7 @@ import base64
 import importlib
 import json
 import multiprocessing
+from multiprocessing.pool import ThreadPool
 import sys
 import tempfile
 import time
@@ -56,7 +58,8 @@ class Row:
     stage: float
     stage_in_run: float  # the share of the stage's time inside session.run
     run_size: int = 0  # rows per session.run, raw and stage alike (0: the batch)
-    stage_processes: dict[int, float] | None = None  # processes -> their requests/s together
+    stage_instances: dict[int, float] | None = None  # instances at once -> their requests/s together
+    instances_in: str = "processes"
 
     @property
     def ratio(self) -> float:
@@ -70,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--inputs", default="tensor,jpeg", help="request kinds: tensor, jpeg (image models only)")
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
-    parser.add_argument("--processes", default="", help="also run the stage in this many processes at once, comma separated")
+    parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
+    parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's intra-op threads (0: one per core)")
     parser.add_argument("--decode-threads", type=int, default=0, help="model.decode_threads, the image decoders (0: one per core)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per measurement")
@@ -114,8 +118,8 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     config = stage_config(model, spec.name, kind, shape, batch, args)
     records = requests(spec.name, kind, samples)
     stage, in_run = serving_stage(config, records, batch, args.seconds)
-    together = {count: stage_in_processes(config, records, batch, args.seconds, count) for count in _counts(args.processes)}
-    return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None)
+    together = {count: stage_together(config, records, batch, args, count) for count in _counts(args.instances)}
+    return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None, args.instances_in)
 
 
 def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
@@ -195,10 +199,12 @@ def _timed(call: Callable[..., object], total: list[float]) -> Callable[..., obj
     return timed
 
 
-def stage_in_processes(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, seconds: float, count: int) -> float:
-    """Requests/s of `count` processes serving the same batches at once, added up."""
-    with multiprocessing.get_context("spawn").Pool(count) as pool:
-        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, batch, seconds)] * count))
+def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, args: argparse.Namespace, count: int) -> float:
+    """Requests/s of `count` stages, each with its own models, serving the same batches at once
+    (in processes or threads, as args.instances_in says), added up."""
+    pool = multiprocessing.get_context("spawn").Pool(count) if args.instances_in == "processes" else ThreadPool(count)
+    with pool:
+        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, batch, args.seconds)] * count))
 
 
 def _counts(text: str) -> list[int]:
@@ -233,9 +239,10 @@ def print_table(rows: list[Row]) -> None:
     print("req/s; run: rows per session.run; 'in run': the stage's share of time inside session.run; stage/raw: "
           "against raw ORT with I/O bound where measured, else plain raw ORT, same batch, run size and threads")
     for row in rows:
-        if row.stage_processes:
-            shown = ", ".join(f"{count}: {rate:,.0f}" for count, rate in row.stage_processes.items())
-            print(f"{row.model} {row.inputs} batch {row.batch}, the stage in processes at once (req/s together): 1: {row.stage:,.0f}, {shown}")
+        if row.stage_instances:
+            shown = ", ".join(f"{count}: {rate:,.0f}" for count, rate in row.stage_instances.items())
+            print(f"{row.model} {row.inputs} batch {row.batch}, stages at once in {row.instances_in} (req/s together): "
+                  f"1: {row.stage:,.0f}, {shown}")
 
 
 if __name__ == "__main__":
