@@ -34,6 +34,7 @@ import onnxruntime as ort
 from bench.images import image_settings, photo_jpeg
 from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
+from cluster_serving.runtime import rewrites
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.serve import BatchServer
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
     parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
+    parser.add_argument("--float16", action="store_true", help="model.float16: raw ORT and the stage both run the model in float16")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's intra-op threads (0: one per core)")
     parser.add_argument("--decode-threads", type=int, default=0, help="model.decode_threads, the image decoders (0: one per core)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per measurement")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stage-bench-") as scratch:
         model = model_file(args.model, Path(scratch))
         rows = [
-            measure(model, args.model, kind, int(batch), args)
+            measure(model, args.model + ("/fp16" if args.float16 else ""), kind, int(batch), args)
             for kind in args.inputs.split(",") for batch in args.batch.split(",")
         ]
     print_table(rows)
@@ -108,7 +110,7 @@ def model_file(name: str, folder: Path) -> Path:
 
 
 def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> Row:
-    session = open_session(model, args.device, args.threads)
+    session = open_session(model, args.device, args.threads, float16_bytes(model) if args.float16 else None)
     spec = session.get_inputs()[0]
     shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
     samples = np.random.default_rng(0).random(shape, dtype=np.float32)
@@ -120,6 +122,11 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     stage, in_run = serving_stage(config, records, batch, args.seconds)
     together = {count: stage_together(config, records, batch, args, count) for count in _counts(args.instances)}
     return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None, args.instances_in)
+
+
+def float16_bytes(model: Path) -> bytes:
+    """The model as model.float16 runs it, for raw ORT alike."""
+    return rewrites.float16(rewrites.load(model)).SerializeToString()
 
 
 def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
@@ -141,7 +148,8 @@ def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarra
 
 def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, args: argparse.Namespace) -> ServingConfig:
     overrides = {
-        "model.path": str(model), "model.threads": args.threads, "model.decode_threads": args.decode_threads, "device": args.device,
+        "model.path": str(model), "model.threads": args.threads, "model.decode_threads": args.decode_threads,
+        "model.float16": args.float16, "device": args.device,
         "batching.batch_size": batch, "batching.run_batch_size": args.run_size, "limits.max_instance_bytes": 64 << 20,
     }
     if kind == "jpeg":

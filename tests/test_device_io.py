@@ -1,6 +1,6 @@
 """The path a batch takes to a GPU, run on the CPU provider (which accepts bound inputs too): rows
 written into reused host buffers and bound (device_io.BoundRunner), and image normalisation as
-nodes in front of the model (pixel_graph). Each must give what the host path gives."""
+nodes in front of the model (rewrites). Each must give what the host path gives."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 import cluster_serving.runtime
-from cluster_serving.config import ImageConfig, LimitsConfig
+from cluster_serving.config import ImageConfig, LimitsConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 from cluster_serving.runtime.decode import prepare_instances
+from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime.device_io import COPY_THREADS, PARALLEL_COPY_BYTES
 from cluster_serving.runtime.infer import predict
 from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.outcomes import as_messages
 from cluster_serving.runtime.preprocess import decode_image
+from cluster_serving.runtime.repository import RoutingTable, scan
+from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.inputs import encode_request
 from tests.onnx_models import graph_model
@@ -111,10 +114,10 @@ def test_images_normalised_by_nodes_in_front_of_the_model(
 
 
 def test_without_onnx_the_host_keeps_normalising(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """pixel_graph needs the onnx package: a runtime without it serves the same images, normalised
+    """rewrites needs the onnx package: a runtime without it serves the same images, normalised
     on the host, and says so once in the log."""
-    monkeypatch.setitem(sys.modules, "cluster_serving.runtime.pixel_graph", None)  # its import fails
-    monkeypatch.delattr(cluster_serving.runtime, "pixel_graph", raising=False)
+    monkeypatch.setitem(sys.modules, "cluster_serving.runtime.rewrites", None)  # its import fails
+    monkeypatch.delattr(cluster_serving.runtime, "rewrites", raising=False)
     config = ImageConfig(resize=(6, 8), layout="CHW", dtype="float32", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
     model = OnnxModel(identity_model(tmp_path / "identity.onnx", "CHW", TensorProto.FLOAT), "cpu", images={"x": config}, on_device=True)
     assert model.images["x"] == config and model.inputs[0].dtype == np.float32 and model.runner is not None
@@ -124,3 +127,31 @@ def test_without_onnx_the_host_keeps_normalising(tmp_path: Path, monkeypatch: py
     [result] = as_messages(predict(model, ready))
     assert not errors
     np.testing.assert_allclose(result.tensors["y"], decode_image("x", photo, config, 1 << 20), rtol=1e-6)
+
+
+def test_float16_serves_float32_requests_close_to_float32_results(sample_path: Path) -> None:
+    """model.float16: the job converts the model as it opens it; requests and results keep their
+    float32 form, and the results move only in the low digits."""
+    config = load_config(overrides={"model.path": str(sample_path), "model.float16": True})
+    server = BatchServer(config)
+    server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
+    rows = np.random.default_rng(8).normal(size=(6, FEATURES)).astype(np.float32)
+    records = [(f"r{i}", encode_request(f"r{i}", {"features": row})) for i, row in enumerate(rows)]
+    results = {uri: decode_message(bytes(payload), 1 << 20) for uri, payload in read_result_frame(server.serve_frame(write_batch_frame("", "", records)))}
+    want = OnnxModel(sample_path, "cpu").run_stacked([{"features": row} for row in rows])
+    for name, expected in want.items():
+        got = np.stack([results[f"r{i}"].tensors[name] for i in range(6)])
+        assert got.dtype == expected.dtype == np.float32 and not np.array_equal(got, expected)  # float16 arithmetic
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-3)
+    server.close()
+
+
+def test_float16_and_pixel_nodes_together(tmp_path: Path) -> None:
+    config = ImageConfig(resize=(6, 8), layout="CHW", dtype="float32", mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    path = identity_model(tmp_path / "identity.onnx", "CHW", TensorProto.FLOAT)
+    model = OnnxModel(path, "cpu", images={"x": config}, on_device=True, float16=True)
+    assert model.inputs[0].dtype == np.uint8
+    photo = encoded(np.random.default_rng(6).integers(0, 256, (6, 8, 3), dtype=np.uint8), "PNG")
+    ready, _ = prepare_instances([decode_message(image_request("r0", photo), 1 << 20)], model.images, LIMITS, None, model.batch_array)
+    [result] = as_messages(predict(model, ready))
+    np.testing.assert_allclose(result.tensors["y"], decode_image("x", photo, config, 1 << 20), rtol=2e-3, atol=2e-3)

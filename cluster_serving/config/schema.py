@@ -27,6 +27,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StringConstraints,
@@ -100,6 +101,7 @@ class ModelConfig(_Section):
     outputs: Texts = ()
     threads: StrictInt = Field(1, ge=0)
     decode_threads: StrictInt = Field(0, ge=0, le=1024)
+    float16: StrictBool = False
 
 
 class KafkaConfig(_Section):

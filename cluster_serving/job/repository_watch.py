@@ -98,7 +98,7 @@ class RepositoryWatch:
         if key in self.checked and self.checked[key][0] == state:
             return self.checked[key][1]
         try:
-            open_version(servable, version, self.config.device, self.config.model.threads)
+            open_version(servable, version, self.config)
             servable_stages(servable)
             fits = True
         except Exception as exc:  # ModelError, ConfigError, or whatever servable.py raises on import

@@ -25,7 +25,7 @@ class ModelError(RuntimeError):
 def open_session(path: Path, device: str, threads: int = 1, model: bytes | None = None) -> ort.InferenceSession:
     """Opens the model on CUDA when asked for and usable, else on the CPU; `cuda` never falls back.
 
-    `model`: the model's bytes, when they are not the file's (pixel_graph's). `threads`: ONNX
+    `model`: the model's bytes, when they are not the file's (rewrites.py's). `threads`: ONNX
     Runtime's intra-op threads (0: one per core, its default). Its pool threads
     never spin-wait for work: spinning kept a core busy between batches, the core the Kafka
     clients, the broker and the JVM needed."""
@@ -55,18 +55,19 @@ class OnnxModel:
 
     On a GPU (or wherever `on_device` says), batches move through a BoundRunner (device_io.py)
     and the image inputs in `images` are normalised by nodes in front of the model
-    (pixel_graph.py): `images` then says how the host decodes them, as plain pixels."""
+    (rewrites.py): `images` then says how the host decodes them, as plain pixels. `float16`
+    runs the model in float16 (rewrites.py), its inputs and outputs unchanged."""
 
     def __init__(
         self, path: Path, device: str, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), threads: int = 1,
-        images: dict[str, ImageConfig] | None = None, on_device: bool | None = None,
+        images: dict[str, ImageConfig] | None = None, on_device: bool | None = None, float16: bool = False,
     ):
         self.session = open_session(path, device, threads)
         self.provider = self.session.get_providers()[0]
         self.images = dict(images or {})
         self.on_device = self.provider == "CUDAExecutionProvider" if on_device is None else on_device
-        if self.on_device and self.images:
-            self._normalise_in_graph(path, device, threads)
+        if float16 or (self.on_device and self.images):
+            self._rewrite(path, device, threads, float16)
         try:
             self.inputs = [onnx_spec(node.name, node.type, node.shape) for node in self.session.get_inputs()]
         except TensorError as exc:
@@ -80,21 +81,35 @@ class OnnxModel:
         bindable = self.on_device and all(spec.dtype.kind != "O" for spec in self.inputs)
         self.runner = BoundRunner(self.session, self.output_names, "cuda" if self.provider == "CUDAExecutionProvider" else "cpu") if bindable else None
 
-    def _normalise_in_graph(self, path: Path, device: str, threads: int) -> None:
-        """Reopens the session with pixel_graph's nodes in front of the image inputs that need
-        them. Where that cannot be (no onnx package, a graph that cannot take them), the host
-        keeps normalising: same results, more bytes to the device."""
+    def _rewrite(self, path: Path, device: str, threads: int, float16: bool) -> None:
+        """Reopens the session on the model as rewrites.py changes it: in float16 when asked for
+        (a ModelError where it cannot be), and on the device path with nodes in front that
+        normalise its images. Where those nodes cannot be (no onnx package, a graph that cannot
+        take them), the host keeps normalising: same results, more bytes to the device."""
         try:
-            from cluster_serving.runtime import pixel_graph  # needs onnx, which the runtime does without elsewhere
-
-            images = pixel_graph.normalised_in_graph(self.images)
-            if not images:
-                return
-            self.session = open_session(path, device, threads, pixel_graph.with_pixel_inputs(path, images))
-        except Exception as exc:
+            from cluster_serving.runtime import rewrites  # needs onnx, which the runtime does without elsewhere
+        except ImportError as exc:
+            if float16:
+                raise ModelError(f"model.float16 needs the onnx package: {exc}") from None
             log.warning("model %s: images stay normalised on the host: %s", path, exc)
             return
-        self.images |= {name: pixel_graph.pixels_only(config) for name, config in images.items()}
+        model = rewrites.load(path)
+        if float16:
+            try:
+                model = rewrites.float16(model)
+            except Exception as exc:
+                raise ModelError(f"cannot convert model {path} to float16: {exc}") from None
+        images = rewrites.normalised_in_graph(self.images) if self.on_device else {}
+        if images:
+            try:
+                self.session = open_session(path, device, threads, rewrites.with_pixel_inputs(model, images).SerializeToString())
+            except Exception as exc:
+                log.warning("model %s: images stay normalised on the host: %s", path, exc)
+            else:
+                self.images |= {name: rewrites.pixels_only(config) for name, config in images.items()}
+                return
+        if float16:
+            self.session = open_session(path, device, threads, model.SerializeToString())
 
     def batch_array(self, name: str) -> BatchArray:
         """Makes the array a batch's images of input `name` are decoded into: the runner's

@@ -29,10 +29,14 @@ class RouteError(LookupError):
     """A request names a model or version that is not served: its error result's text."""
 
 
-def open_version(servable: Servable, version: int, device: str, threads: int) -> OnnxModel:
-    """One version's session, checked against its servable.yaml (inputs, outputs, image inputs)."""
+def open_version(servable: Servable, version: int, config: ServingConfig) -> OnnxModel:
+    """One version's session, as `config` says (device, model.threads, model.float16), checked
+    against its servable.yaml (inputs, outputs, image inputs)."""
     settings = servable.config
-    model = OnnxModel(servable.path(version), device, settings.inputs, settings.outputs, threads, settings.preprocess.images)
+    model = OnnxModel(
+        servable.path(version), config.device, settings.inputs, settings.outputs, config.model.threads,
+        settings.preprocess.images, float16=config.model.float16,
+    )
     problem = config_mismatch(
         [spec.name for spec in model.inputs], model.output_names, image_inputs=tuple(settings.preprocess.images)
     )
@@ -109,7 +113,7 @@ class Servables:
     def _open(self, servable: Servable, version: int) -> OnnxModel | None:
         key = (servable.name, version, servable.files.get(version))
         try:
-            model = open_version(servable, version, self.config.device, self.config.model.threads)
+            model = open_version(servable, version, self.config)
         except Exception as exc:  # ModelError, or whatever a file the poller did not check raises
             if key not in self.failed:
                 log.error("model %s version %d not served: %s", servable.name, version, exc)
@@ -156,5 +160,5 @@ def repository_check(config: ServingConfig, repository: Repository) -> None:
     runs, each problem one line."""
     for servable in repository.servables.values():
         for version in servable.versions if not servable.is_pipeline else ():
-            open_version(servable, version, config.device, config.model.threads)
+            open_version(servable, version, config)
     check_stages(repository)

@@ -1,19 +1,22 @@
-"""Image normalisation as ONNX nodes in front of the model, for models whose batches go to a GPU.
+"""What the job changes in a model's graph as it opens it: float16 when `model.float16` asks for
+it, and image normalisation as nodes in front of the model when its batches go to a GPU.
 
-The job then decodes plain pixels (uint8, height x width x channels) and the device casts, lays
-out and normalises them as `preprocess.images` says: a quarter of float32's bytes cross to the
-device, and the arithmetic runs where the model does. The nodes compute what
+With the nodes, the job decodes plain pixels (uint8, height x width x channels) and the device
+casts, lays out and normalises them as `preprocess.images` says: a quarter of float32's bytes
+cross to the device, and the arithmetic runs where the model does. The nodes compute what
 `preprocess.lay_out` computes on the host: pixel * (scale / std) - mean / std, in the configured
-dtype.
+dtype. Only this module of the runtime needs the onnx package.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import GraphProto, TensorProto, helper, numpy_helper
+from onnxruntime.transformers.float16 import convert_float_to_float16
 
 from cluster_serving.config import ImageConfig
 from cluster_serving.runtime.preprocess import affine
@@ -31,10 +34,19 @@ def pixels_only(config: ImageConfig) -> ImageConfig:
     return ImageConfig(channels=config.channels, resize=config.resize)
 
 
-def with_pixel_inputs(path: Path, images: dict[str, ImageConfig]) -> bytes:
-    """The model at `path` with each input of `images` taking uint8 HWC pixels instead, as bytes
-    ONNX Runtime opens."""
-    model = onnx.load(str(path))
+def load(path: Path) -> onnx.ModelProto:
+    return onnx.load(str(path))
+
+
+def float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model computing in float16, by ONNX Runtime's own converter; inputs and outputs keep
+    their float32 types, so requests and results do not change form."""
+    return convert_float_to_float16(model, keep_io_types=True)
+
+
+def with_pixel_inputs(model: onnx.ModelProto, images: dict[str, ImageConfig]) -> onnx.ModelProto:
+    """A copy of the model with each input of `images` taking uint8 HWC pixels instead."""
+    model = copy.deepcopy(model)
     graph = model.graph
     nodes: list[onnx.NodeProto] = []
     for model_input in graph.input:
@@ -53,7 +65,7 @@ def with_pixel_inputs(path: Path, images: dict[str, ImageConfig]) -> bytes:
     nodes += graph.node
     del graph.node[:]
     graph.node.extend(nodes)
-    return model.SerializeToString()
+    return model
 
 
 def _normalising_nodes(graph: GraphProto, pixels: str, out: str, config: ImageConfig, model_type: int) -> list[onnx.NodeProto]:
