@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 
 from cluster_serving.config.schema import DEFAULT_CONFIG_PATH, ServingConfig
 
-KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[a-z_]+):")
+KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[a-z_][a-z0-9_]*):")
 
 
 def config_reference() -> str:
