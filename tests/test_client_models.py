@@ -132,6 +132,9 @@ def test_result_of_carries_model_and_version() -> None:
     error = result_of(Message("u", error="unknown model 'x'; the repository serves a, b", model="x"))
     assert error == {"error": "unknown model 'x'; the repository serves a, b"}  # equal to a plain dict
     assert {"error": "unknown model 'x'; the repository serves a, b"} == error
+    assert error.error_code is None  # a job older than error codes
+    coded = result_of(Message("u", error="unknown model 'x'; the repository serves a, b", error_code="unknown_model"))
+    assert coded.error_code == "unknown_model" and "error_code='unknown_model'" in repr(coded)
     assert (error.model, error.version) == ("x", None)
 
     top = result_of(Message(

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from cluster_serving.wire.codec import DecodeError, EncodedImage, Message, SparseTensor, decode_message, encode_message
+from cluster_serving.wire.codec import DecodeError, EncodedImage, Message, SparseTensor, TooLarge, decode_message, encode_message
 from cluster_serving.wire.inputs import encode_alike_requests, encode_by_kind
 from cluster_serving.wire.v1 import END_OF_STREAM, _field, _table
 from cluster_serving.wire.v2 import V2_MAGIC
@@ -145,7 +145,7 @@ def test_refuses_sparse_too_large_once_dense() -> None:
     """A few bytes on the wire that would be 4 TB once dense."""
     payload = encode_message(Message("u", {"sp": SparseTensor(np.array([[0, 0]]), np.array([1.0], np.float32), (2**20, 2**20))}))
     assert len(payload) < 2048
-    with pytest.raises(DecodeError, match="once dense, over the limit"):
+    with pytest.raises(TooLarge, match="once dense, over the limit"):
         decode_message(payload, LIMIT)
 
 
@@ -153,8 +153,8 @@ def test_result_fields_round_trip() -> None:
     message = Message("u", {"p": np.arange(3, dtype=np.float32)}, batch_size=32)
     decoded = decode_message(encode_message(message), LIMIT)
     assert decoded.batch_size == 32 and decoded.error is None
-    error = decode_message(encode_message(Message("u", error="boom")), LIMIT)
-    assert error.error == "boom" and error.tensors == {}
+    error = decode_message(encode_message(Message("u", error="boom", error_code="inference_failed")), LIMIT)
+    assert error.error == "boom" and error.error_code == "inference_failed" and error.tensors == {}
 
 
 def test_refuses_unsupported_dtype_on_encode() -> None:

@@ -13,7 +13,7 @@ import cluster_serving.runtime.decode as decoding
 from cluster_serving.config import LimitsConfig
 from cluster_serving.runtime.decode import decode_records, prepare_instances
 from cluster_serving.runtime.preprocess import prepare_values
-from cluster_serving.wire.codec import Message, encode_message
+from cluster_serving.wire.codec import Message, SparseTensor, encode_message
 
 LIMITS = LimitsConfig(max_instance_bytes=1 << 20, max_image_pixels=10_000)
 URIS = ["a", "boom", "b"]
@@ -62,5 +62,17 @@ def test_an_unexpected_exception_reading_one_record_is_its_error_result(monkeypa
     keyless = Row(None, encode_message(Message("keyless", {"x": np.zeros(1)})))
     batch, dropped = decode_records(records(keyless), LIMITS)
     assert [message.uri for message in batch.instances] == ["a", "b"]
-    assert [(message.uri, message.error) for message in batch.rejected] == [("boom", "bad request: KeyError: 'cs.uri'")]
+    assert [(message.uri, message.error, message.error_code) for message in batch.rejected] == [
+        ("boom", "bad request: KeyError: 'cs.uri'", "bad_request")]
     assert dropped == 1
+
+
+def test_each_unreadable_record_says_why_by_its_code_too() -> None:
+    """bad_request for bytes that are no message, too_large for a message over
+    limits.max_instance_bytes or a sparse tensor that would be over it once dense."""
+    big = Row("big", encode_message(Message("big", {"x": np.zeros((1 << 20) // 4 + 16, np.float32)})))
+    sparse = SparseTensor(np.array([[0, 0]]), np.array([1.0], np.float32), (1 << 12, 1 << 12))
+    dense_too_large = Row("sparse", encode_message(Message("sparse", {"x": sparse})))
+    batch, _ = decode_records(records(Row("junk", b"not a message"), big, dense_too_large), LIMITS)
+    codes = {message.uri: message.error_code for message in batch.rejected}
+    assert codes == {"junk": "bad_request", "big": "too_large", "sparse": "too_large"}

@@ -121,12 +121,14 @@ class StandInJob:
     def answer(self, request: Message, headers: dict[str, bytes]) -> Message:
         model = headers.get("model", b"").decode() or "alpha"
         if model not in self.serves:
-            return Message(request.uri, error=f"unknown model {model!r}; the repository serves {', '.join(sorted(self.serves))}")
+            return Message(request.uri, error=f"unknown model {model!r}; the repository serves {', '.join(sorted(self.serves))}",
+                           error_code="unknown_model")
         versions = self.serves[model]
         version = int(headers.get("version", b"0") or 0) or versions[-1]
         if version not in versions:
             served = ", ".join(map(str, versions))
-            return Message(request.uri, error=f"model {model!r} has no version {version}; it serves {served}", model=model)
+            return Message(request.uri, error=f"model {model!r} has no version {version}; it serves {served}", model=model,
+                           error_code="unknown_version")
         inputs = {name: np.asarray(value)[None] for name, value in request.tensors.items()}
         if model == "chain":
             (y,) = self.run("alpha", self.serves["alpha"][-1], inputs)

@@ -62,7 +62,7 @@ def test_a_failing_request_does_not_fail_its_batch(lookup_model: OnnxModel, run_
     rows = [3, 99, 0, 7]  # 99 is out of range
     requests = [Message(f"r{i}", {"row": np.array(row)}) for i, row in enumerate(rows)]
     results = by_uri(as_messages(predict(lookup_model, requests, run_size)))
-    assert "inference failed" in results["r1"].error
+    assert "inference failed" in results["r1"].error and results["r1"].error_code == "inference_failed"
     for i in (0, 2, 3):
         np.testing.assert_array_equal(results[f"r{i}"].tensors["values"], TABLE[rows[i]])
         assert results[f"r{i}"].batch_size == 1  # re-run alone after the stacked run failed
@@ -84,6 +84,7 @@ def test_requests_are_stacked_and_checked(lookup_model: OnnxModel) -> None:
     assert "shape (2, 2) does not fit ()" in results["matrix"].error
     assert "missing input 'row'" in results["missing"].error
     assert "unknown input 'other'" in results["extra"].error
+    assert {results[uri].error_code for uri in ("float", "matrix", "missing", "extra")} == {"bad_request"}
 
 
 def test_a_batch_runs_in_runs_of_at_most_run_batch_size(lookup_path: Path) -> None:

@@ -131,10 +131,12 @@ def test_unknown_models_and_versions_and_a_raising_stage_answer_those_uris_only(
         results = collect(outputs, 42, timeout=120)
     assert results["nobody"]["error"] == "unknown model 'nobody'; the repository serves chain, scale, staged, total"
     assert results["scale-9"]["error"] == "model 'scale' has no version 9; it serves 1, 2"
+    assert (results["nobody"].error_code, results["scale-9"].error_code) == ("unknown_model", "unknown_version")
     failed = {uri for uri, result in results.items() if uri.startswith(("neg-", "pos-")) and "error" in result}
     assert failed == negative
     for uri in failed:
         assert results[uri]["error"] == "preprocess failed: ValueError: negative first value"
+        assert results[uri].error_code == "preprocess_failed"
     for i in range(40):
         if f"pos-{i}" in results:
             np.testing.assert_allclose(results[f"pos-{i}"]["y"], (x + i) * 2)

@@ -32,7 +32,7 @@ def refuse_negative(inputs: dict) -> dict:
 def test_a_per_instance_stage_fails_only_the_instances_it_raises_on() -> None:
     kept, errors = apply_stage(refuse_negative, False, messages(1, -1, 2), "preprocess")
     assert [m.uri for m in kept] == ["u0", "u2"] and kept[1].tensors["x"].tolist() == [3, 3]
-    assert [(m.uri, m.error) for m in errors] == [("u1", "preprocess failed: ValueError: negative")]
+    assert [(m.uri, m.error, m.error_code) for m in errors] == [("u1", "preprocess failed: ValueError: negative", "preprocess_failed")]
 
 
 def test_a_batched_stage_that_raises_is_called_again_one_instance_at_a_time() -> None:
@@ -52,7 +52,7 @@ def test_a_stage_returning_something_else_is_an_error_result(output, problem) ->
     batched = isinstance(output, list)
     kept, errors = apply_stage(lambda _: output, batched, messages(1, 2, 3), "postprocess")
     assert not kept and len(errors) == 3
-    assert all(problem in m.error and m.error.startswith("postprocess failed: ") for m in errors)
+    assert all(problem in m.error and m.error.startswith("postprocess failed: ") and m.error_code == "postprocess_failed" for m in errors)
 
 
 def test_a_pipeline_step_without_an_open_model_answers_errors(tmp_path: Path) -> None:
@@ -64,7 +64,8 @@ def test_a_pipeline_step_without_an_open_model_answers_errors(tmp_path: Path) ->
     stage = BatchServer(config)
     chain = Served(scan(config).servables["chain"], None, None, {})
     outcomes = stage.serve(chain, 1, [Message("u0", {"x": np.ones(4, np.float32)})])
-    assert [(m.uri, m.error) for m in outcomes] == [("u0", "pipeline 'chain': model 'scale' version newest is not open")]
+    assert [(m.uri, m.error, m.error_code) for m in outcomes] == [
+        ("u0", "pipeline 'chain': model 'scale' version newest is not open", "internal")]
 
 
 def test_a_pipeline_step_is_served_with_its_models_own_stages(tmp_path: Path) -> None:

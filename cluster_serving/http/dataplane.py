@@ -27,14 +27,13 @@ from typing import Any
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
 from cluster_serving.http.catalog import Catalog, Target
 from cluster_serving.http.errors import (
-    InferenceFailed,
     InvalidRequest,
-    ModelNotFound,
     NotReady,
     RateLimited,
     Timeout,
     TooLarge,
     Unavailable,
+    result_error,
 )
 from cluster_serving.http.metrics import BridgeMetrics
 from cluster_serving.http.result_waiter import ResultWaiter
@@ -50,18 +49,6 @@ READINESS_STALE_S = 3.0
 # Waits for the broker's metadata at start, and for queued records at stop.
 CONNECT_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
-# Error results the job writes for its own failures; all others are about the request.
-SERVER_SIDE_ERRORS = ("inference failed", "postprocess failed", "result not encodable", "unreadable result")
-# Error results for a model or version the job does not serve (it may know more than this bridge).
-UNKNOWN_MODEL_ERRORS = ("unknown model ",)
-
-
-def model_not_served(error: str) -> bool:
-    """Whether a job's error result says the model or version asked for is not served:
-    "unknown model 'x'; the repository serves a, b" or "model 'x' has no version 7; it serves 1, 2"."""
-    return error.startswith(UNKNOWN_MODEL_ERRORS) or (error.startswith("model '") and "has no version" in error)
-
-
 @dataclass(frozen=True)
 class Request:
     """One predict request's instances and the model version they are for."""
@@ -261,12 +248,7 @@ class Bridge:
         if message.inference_us is not None:
             self.metrics.record_inference_us(message.inference_us, message.model, message.model_version)
         if message.error is not None:
-            error: type[Exception] = InvalidRequest
-            if message.error.startswith(SERVER_SIDE_ERRORS):
-                error = InferenceFailed
-            elif model_not_served(message.error):
-                error = ModelNotFound
-            raise error(f"instance {index}: {message.error}")
+            raise result_error(message.error_code)(f"instance {index}: {message.error}")
         return message
 
 

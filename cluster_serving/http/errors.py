@@ -72,6 +72,25 @@ HTTP_STATUS: dict[type[Exception], int] = {
 }
 
 
+# What the bridge raises for a job's error result, by its code (wire.ERROR_CODES).
+RESULT_ERRORS: dict[str | None, type[BridgeError]] = {
+    "bad_request": InvalidRequest,
+    "too_large": TooLarge,
+    "unknown_model": ModelNotFound,
+    "unknown_version": ModelNotFound,
+    "preprocess_failed": InvalidRequest,  # the servable's own check of the request's values
+    "inference_failed": InferenceFailed,
+    "postprocess_failed": InferenceFailed,
+    "internal": InferenceFailed,
+}
+
+
+def result_error(code: str | None) -> type[BridgeError]:
+    """The error for a job's error result of this code; a code this build does not know (a newer
+    job's) is the job's own failure."""
+    return RESULT_ERRORS.get(code, InferenceFailed)
+
+
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status of an error the bridge expects; None for any other (a bug: a 500)."""
     return next((HTTP_STATUS[cls] for cls in type(exc).__mro__ if cls in HTTP_STATUS), None)

@@ -127,7 +127,7 @@ class ResultWaiter:
         try:
             return uri, decode_message(value or b"", KAFKA_RECORD_BYTES)
         except DecodeError as exc:
-            return uri, Message(uri, error=f"unreadable result: {exc}")
+            return uri, Message(uri, error=f"unreadable result: {exc}", error_code="internal")
 
     def _complete(self, results: list[tuple[str, Message]]) -> None:
         for uri, message in results:

@@ -52,4 +52,4 @@ def _within_limit(uri: str, payload: bytes) -> bytes:
 
 def _refused(uri: str, reason: str) -> bytes:
     log.warning("uri=%s %s", uri, reason)
-    return encode_message(Message(uri, error=reason))
+    return encode_message(Message(uri, error=reason, error_code="internal"))

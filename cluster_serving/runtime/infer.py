@@ -75,4 +75,4 @@ def _run_group(model: OnnxModel, group: list[tuple[str, Feed]], run_size: int = 
             # Find the instance that broke the run; its neighbours still get results.
             return [outcome for member in group for outcome in _run_group(model, [member])]
         log.warning("uri=%s inference failed: %s", group[0][0], exc)
-        return [Message(uri=group[0][0], error=f"inference failed: {exc}")]
+        return [Message(uri=group[0][0], error=f"inference failed: {exc}", error_code="inference_failed")]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster_serving.wire.codec import DecodeError, Message
+from cluster_serving.wire.codec import DecodeError, Message, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,13 @@ def as_messages(outcomes: list[Outcome]) -> list[Message]:
     return [message for outcome in outcomes for message in (outcome.messages() if isinstance(outcome, Rows) else [outcome])]
 
 
-def error_result(uri: str, kind: str, exc: Exception) -> Message:
-    """The error result for one request, logged; an exception that no check raised on purpose is a
+def error_result(uri: str, kind: str, exc: Exception, code: str = "bad_request") -> Message:
+    """The error result for one request, with its code (wire.ERROR_CODES; too_large for a
+    TooLarge whatever the caller says), logged; an exception that no check raised on purpose is a
     bug to fix, so its traceback goes to the log too."""
     expected = isinstance(exc, (DecodeError, InvalidInput))
     log.warning("uri=%s %s: %s", uri, kind, reason(exc), exc_info=not expected)
-    return Message(uri=uri, error=f"{kind}: {reason(exc)}")
+    return Message(uri=uri, error=f"{kind}: {reason(exc)}", error_code="too_large" if isinstance(exc, TooLarge) else code)
 
 
 def reason(exc: Exception) -> str:

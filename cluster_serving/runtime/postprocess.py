@@ -22,7 +22,7 @@ def top_n(result: Message, n: int) -> Message:
     if scores.ndim != 1 or scores.dtype.kind not in "iuf":
         error = f"postprocess failed: top_n needs a vector of scores, output {name!r} has shape {scores.shape}"
         log.warning("uri=%s %s", result.uri, error)
-        return Message(result.uri, error=error)
+        return Message(result.uri, error=error, error_code="postprocess_failed")
     best = np.argsort(-scores.astype(np.float64), kind="stable")[:n]
     return Message(
         result.uri,

@@ -26,7 +26,12 @@ NAME_SHOWN = 100
 
 
 class RouteError(LookupError):
-    """A request names a model or version that is not served: its error result's text."""
+    """A request names a model or version that is not served: its error result's text and code
+    (unknown_model, unknown_version; internal for a pipeline step whose model is not open)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 def open_version(servable: Servable, version: int, config: ServingConfig) -> OnnxModel:
@@ -127,15 +132,17 @@ class Servables:
         name = model or (self.table.default if self.table else "")
         served = self.served.get(name)
         if served is None:  # a header any producer wrote: shown cut short, as the uri of a log line is
-            raise RouteError(f"unknown model {name[:NAME_SHOWN]!r}; the repository serves {', '.join(sorted(self.served)) or 'nothing'}")
+            raise RouteError(
+                f"unknown model {name[:NAME_SHOWN]!r}; the repository serves {', '.join(sorted(self.served)) or 'nothing'}", "unknown_model"
+            )
         listed = served.versions
         if not version:
             if not listed:
-                raise RouteError(f"model {name!r}: none of its versions opened (see the job's log)")
+                raise RouteError(f"model {name!r}: none of its versions opened (see the job's log)", "unknown_version")
             return served, listed[-1]
         if not (version.isascii() and version.isdigit()) or int(version) not in listed:
             shown = version[:NAME_SHOWN]
-            raise RouteError(f"model {name!r} has no version {shown}; it serves {', '.join(map(str, listed)) or 'none'}")
+            raise RouteError(f"model {name!r} has no version {shown}; it serves {', '.join(map(str, listed)) or 'none'}", "unknown_version")
         return served, int(version)
 
     def step(self, name: str, version: int | None) -> tuple[Served, int]:
@@ -144,7 +151,7 @@ class Servables:
         if served is None or served.servable.is_pipeline or not served.models or (
             version is not None and version not in served.models
         ):
-            raise RouteError(f"model {name!r} version {version or 'newest'} is not open")
+            raise RouteError(f"model {name!r} version {version or 'newest'} is not open", "internal")
         return served, version if version is not None else max(served.models)
 
 

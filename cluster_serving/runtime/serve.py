@@ -77,7 +77,7 @@ class BatchServer:
         except RouteError as exc:
             for message in batch.instances:
                 log.warning("uri=%s %s", message.uri, exc)
-            return batch.rejected + [Message(message.uri, error=str(exc)) for message in batch.instances], None
+            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code) for message in batch.instances], None
         started = time.perf_counter()
         outcomes = self.serve(served, version, batch.instances)
         elapsed_us = int((time.perf_counter() - started) * 1_000_000)
@@ -112,7 +112,7 @@ class BatchServer:
                 outcomes: list[Outcome] = list(run_pipeline(served.servable, self._serve_step, ready))
             except RouteError as exc:  # a step's model has no version open
                 log.warning("pipeline %s: %s", served.servable.name, exc)
-                outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}") for message in ready]
+                outcomes = [Message(message.uri, error=f"pipeline {served.servable.name!r}: {exc}", error_code=exc.code) for message in ready]
         else:
             outcomes = predict(model, ready, served.servable.batching.run_batch_size)
         if served.postprocess is not None or settings.postprocess.top_n:

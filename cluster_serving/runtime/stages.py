@@ -44,7 +44,7 @@ def apply_stage(
         try:
             kept.append(_with(message, _called(function, batched, [message.tensors], kind)[0]))
         except Exception as exc:
-            errors.append(error_result(message.uri, f"{kind} failed", _as_reported(exc)))
+            errors.append(error_result(message.uri, f"{kind} failed", _as_reported(exc), f"{kind}_failed"))
     return kept, errors
 
 
@@ -89,7 +89,7 @@ def run_pipeline(servable: Servable, serve_step: ServeStep, instances: list[Mess
         alive = []
         for result in as_messages(serve_step(step, feeds)):
             if result.error is not None:
-                errors.append(Message(result.uri, error=f"step {step.step_name!r}: {result.error}"))
+                errors.append(Message(result.uri, error=f"step {step.step_name!r}: {result.error}", error_code=result.error_code))
             else:
                 values[result.uri][step.step_name] = result.tensors
                 alive.append(result.uri)

@@ -11,7 +11,8 @@ written once.
 Version 1 (`v1.py`), for everything else (strings, images, sparse tensors, errors, top-N
 results), and read for all: one Arrow IPC stream (docs/wire-format.md has the full description):
 - schema metadata `cs.version` = "1", `cs.uri` = the request's uri, and for results optionally
-  `cs.error` (the error message; no tensors then), `cs.batch_size` (the batch it ran in),
+  `cs.error` (the error message; no tensors then) with `cs.error_code` (values.ERROR_CODES),
+  `cs.batch_size` (the batch it ran in),
   `cs.inference_us` (that batch's inference time in microseconds) and `cs.top_n` (the result is
   the N best classes: tensors `classes` and `probabilities`);
 - one column per named value, exactly one row, field metadata `cs.dtype` and `cs.shape`, laid

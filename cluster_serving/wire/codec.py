@@ -19,17 +19,19 @@ from cluster_serving.wire.values import (
     TOP_N_CLASSES,
     TOP_N_PROBABILITIES,
     VERSION_HEADER,
+    ERROR_CODES,
     DecodeError,
     EncodedImage,
     Message,
     SparseTensor,
+    TooLarge,
     Value,
     dtype_name,
 )
 
 __all__ = [
     "CONTROL_HEADER", "MODEL_HEADER", "MODEL_NAME", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "SIGNATURE_HEADER", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
-    "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
+    "ERROR_CODES", "TooLarge", "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
     "encode_alike", "encode_rows",
 ]
 
@@ -47,7 +49,7 @@ def encode_message(message: Message, version: int | None = None) -> bytes:
 def decode_message(payload: bytes, max_bytes: int) -> Message:
     """Parses and validates a message; every problem raises DecodeError with a readable reason."""
     if len(payload) > max_bytes:
-        raise DecodeError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
+        raise TooLarge(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
     if payload[:4] == v2.V2_MAGIC:
         return v2.decode(payload)
     return v1.decode(payload, max_bytes)

@@ -32,18 +32,20 @@ from cluster_serving.wire.tensors import TensorError
 class Result(dict[Any, Any]):
     """A result as users see it: output name -> ndarray, {class: probability} (top-N) or
     {'error': ...}; a dict (equal to a plain dict of the same items) that also says what served it:
-    `model` (the model's name) and `version` (its version), None where the result does not say."""
+    `model` (the model's name) and `version` (its version), None where the result does not say;
+    and for an error, `error_code` (one of wire.ERROR_CODES; None from a job older than codes)."""
 
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "error_code")
 
-    def __init__(self, items: Any = (), model: str | None = None, version: int | None = None):
+    def __init__(self, items: Any = (), model: str | None = None, version: int | None = None, error_code: str | None = None):
         super().__init__(items)
-        self.model, self.version = model, version
+        self.model, self.version, self.error_code = model, version, error_code
 
     def __repr__(self) -> str:
-        if self.model is None and self.version is None:
+        if self.model is None and self.version is None and self.error_code is None:
             return super().__repr__()
-        return f"Result({super().__repr__()}, model={self.model!r}, version={self.version!r})"
+        code = f", error_code={self.error_code!r}" if self.error_code is not None else ""
+        return f"Result({super().__repr__()}, model={self.model!r}, version={self.version!r}{code})"
 
 
 MAX_VERSION = 2**63 - 1  # the job reads versions as int64
@@ -129,8 +131,10 @@ def _json_input(name: str, value: Any, hints: JsonHints) -> Value:
 
 def result_of(message: Message) -> Result:
     """A result as users see it: output name -> ndarray; with top_n, {class index: probability}
-    best first; or {'error': message}. Its `model` and `version` are the message's."""
-    return Result(_result_items(message), message.model, message.model_version)
+    best first; or {'error': message}. Its `model`, `version` and `error_code` are the message's."""
+    items = _result_items(message)
+    code = message.error_code if message.error is not None else "internal" if "error" in items else None
+    return Result(items, message.model, message.model_version, code)
 
 
 def _result_items(message: Message) -> dict[Any, Any]:

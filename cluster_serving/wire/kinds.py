@@ -40,6 +40,7 @@ from cluster_serving.wire.values import (
     DecodeError,
     EncodedImage,
     SparseTensor,
+    TooLarge,
     Value,
     dtype_name,
     parse_shape,
@@ -247,6 +248,8 @@ class SparseKind(Kind):
         sparse = SparseTensor(indices.reshape(len(values), len(shape)), values, shape)
         try:
             sparse.check(max_dense_bytes=max_bytes)
+        except TooLarge as exc:
+            raise TooLarge(f"sparse tensor {name!r}: {exc}") from None
         except ValueError as exc:
             raise DecodeError(f"sparse tensor {name!r}: {exc}") from None
         return sparse

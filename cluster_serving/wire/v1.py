@@ -9,7 +9,7 @@ import struct
 import pyarrow as pa
 
 from cluster_serving.wire.kinds import KINDS, kind_of
-from cluster_serving.wire.values import MAX_TENSORS, DecodeError, Message, Value, check_uri
+from cluster_serving.wire.values import MAX_TENSORS, DecodeError, Message, TooLarge, Value, check_uri
 
 FORMAT_VERSION = "1"
 END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
@@ -27,6 +27,7 @@ def encode(message: Message) -> bytes:
     metadata = {"cs.version": FORMAT_VERSION, "cs.uri": message.uri}
     for key, item in (
         ("cs.error", message.error),
+        ("cs.error_code", message.error_code),
         ("cs.batch_size", message.batch_size),
         ("cs.inference_us", message.inference_us),
         ("cs.top_n", message.top_n),
@@ -78,6 +79,7 @@ def _message(schema: pa.Schema, batch: pa.RecordBatch, max_bytes: int) -> Messag
         uri=uri,
         tensors=tensors,
         error=metadata.get("cs.error"),
+        error_code=metadata.get("cs.error_code"),
         batch_size=_count(metadata.get("cs.batch_size")),
         inference_us=_count(metadata.get("cs.inference_us")),
         top_n=_count(metadata.get("cs.top_n")),
@@ -110,7 +112,7 @@ def _read_stream(payload: bytes, max_bytes: int) -> tuple[pa.Schema, pa.RecordBa
     if compressed:
         raise DecodeError("compressed record batches are not part of the format")
     if buffer_bytes > max_bytes:  # buffers may overlap on the wire: the same bytes, seen many times
-        raise DecodeError(f"{buffer_bytes} bytes once decoded, over the limit of {max_bytes}")
+        raise TooLarge(f"{buffer_bytes} bytes once decoded, over the limit of {max_bytes}")
     try:
         schema = pa.ipc.read_schema(messages[0])
         return schema, pa.ipc.read_record_batch(messages[1], schema)

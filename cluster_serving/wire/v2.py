@@ -130,10 +130,10 @@ def decode(payload: bytes) -> Message:
     for name, dtype, shape, nbytes in tensors:
         values[name] = np.frombuffer(payload, dtype, math.prod(shape), at).reshape(shape)
         at += nbytes
-    # Positional arguments (uri, tensors, error, batch_size, inference_us, top_n, model,
+    # Positional arguments (uri, tensors, error, error_code, batch_size, inference_us, top_n, model,
     # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
     batch_size, inference_us, model, model_version = served
-    return Message(uri, values, None, batch_size, inference_us, None, model, model_version, layout)
+    return Message(uri, values, None, None, batch_size, inference_us, None, model, model_version, layout)
 
 
 @functools.lru_cache(maxsize=64)

@@ -37,6 +37,24 @@ class DecodeError(ValueError):
     """The bytes are not a valid message of a known format version."""
 
 
+class TooLarge(DecodeError):
+    """A message, or a tensor once decoded or made dense, over the size limit."""
+
+
+# What an error result's `error_code` says, for programs (the bridge's HTTP status, clients,
+# alerts); its text says the rest, for people.
+ERROR_CODES = (
+    "bad_request",  # the request cannot be read, or does not fit the model
+    "too_large",  # the request is over limits.max_instance_bytes
+    "unknown_model",  # no model of that name is served
+    "unknown_version",  # the model serves no such version (or none opened)
+    "preprocess_failed",  # the servable's preprocess function raised
+    "inference_failed",  # the model's run raised
+    "postprocess_failed",  # the servable's postprocess function or top-N failed
+    "internal",  # anything else on the serving side: a result that cannot be written, a broken pipeline
+)
+
+
 @dataclass(frozen=True)
 class SparseTensor:
     """A COO sparse tensor: `indices` holds one row of len(shape) indices per value."""
@@ -59,7 +77,7 @@ class SparseTensor:
             raise ValueError(f"an index is outside the shape {list(self.shape)}")
         dense_bytes = math.prod(self.shape) * self.values.dtype.itemsize
         if dense_bytes > max_dense_bytes:
-            raise ValueError(f"{dense_bytes} bytes once dense, over the limit of {max_dense_bytes}")
+            raise TooLarge(f"{dense_bytes} bytes once dense, over the limit of {max_dense_bytes}")
 
     def to_dense(self) -> np.ndarray:
         dense = np.zeros(self.shape, dtype=self.values.dtype)
@@ -85,6 +103,7 @@ class Message:
     uri: str
     tensors: dict[str, Value] = field(default_factory=dict)
     error: str | None = None
+    error_code: str | None = None  # one of ERROR_CODES, with `error`
     batch_size: int | None = None
     inference_us: int | None = None
     top_n: int | None = None
