@@ -93,13 +93,15 @@ class OnnxModel:
                 raise ModelError(f"model.float16 needs the onnx package: {exc}") from None
             log.warning("model %s: images stay normalised on the host: %s", path, exc)
             return
+        images = rewrites.normalised_in_graph(self.images) if self.on_device else {}
+        if not (float16 or images):
+            return
         model = rewrites.load(path)
         if float16:
             try:
                 model = rewrites.float16(model)
             except Exception as exc:
                 raise ModelError(f"cannot convert model {path} to float16: {exc}") from None
-        images = rewrites.normalised_in_graph(self.images) if self.on_device else {}
         if images:
             try:
                 self.session = open_session(path, device, threads, rewrites.with_pixel_inputs(model, images).SerializeToString())
