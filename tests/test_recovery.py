@@ -55,14 +55,14 @@ def count_results(config: ServingConfig, isolation_level: str) -> int:
 SEND_RATE = 2000
 
 
-def send(config: ServingConfig, features: np.ndarray, first: int = 0) -> Future[int]:
-    """Enqueues one request per row (uris req-<first>...) in the background at SEND_RATE, as
+def send(config: ServingConfig, features: np.ndarray, first: int = 0, rate: float = SEND_RATE) -> Future[int]:
+    """Enqueues one request per row (uris req-<first>...) in the background at `rate` a second, as
     clients keep doing while a job dies; result() waits for the flush and re-raises a client error."""
     def paced() -> Iterator[tuple[str, dict]]:
         started = time.monotonic()
         for i, row in enumerate(features):
             if i % 100 == 0:
-                time.sleep(max(0.0, started + i / SEND_RATE - time.monotonic()))
+                time.sleep(max(0.0, started + i / rate - time.monotonic()))
             yield f"req-{first + i}", {"features": row}
 
     def produce() -> int:
