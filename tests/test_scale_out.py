@@ -4,7 +4,6 @@ bridges sharing its result topic, each answering only its own requests."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import yaml
 from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.processes import free_port
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import assert_served, http_call
+from tests.conftest import assert_served, http_call, requests_per_subtask
 
 REQUESTS = 2000
 HTTP_REQUESTS_PER_BRIDGE = 200
@@ -35,19 +34,7 @@ def test_parallelism_two_on_four_partitions_and_two_bridges(write_config, start_
     job = start_job(path, config)
     assert_served(config, REQUESTS, seed=11, timeout=180)
 
-    # The batcher is chained to the source: the vertex reads nothing from the network, so its
-    # operator's own input count, per subtask, says where the requests went.
-    vertices = job.rest(f"/jobs/{job.job_id}")["vertices"]
-    chain = next(vertex for vertex in vertices if "micro-batch" in vertex["name"])
-    url = f"/jobs/{job.job_id}/vertices/{chain['id']}/metrics"
-    deadline = time.monotonic() + 30  # the REST API serves metrics a few seconds old
-    while True:
-        ids = [f"{subtask}.micro-batch.numRecordsIn" for subtask in range(2)]
-        metrics = {m["id"]: m.get("value") for m in job.rest(f"{url}?get={','.join(ids)}")}
-        counts = [int(metrics.get(name) or 0) for name in ids]
-        if sum(counts) >= REQUESTS or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    counts = requests_per_subtask(job.rest, job.job_id, 2, REQUESTS)
     assert len(counts) == 2 and all(count > 0 for count in counts), f"requests per subtask: {counts}"
 
     first = HttpBridge(path, log_path=tmp_path / "bridge-1.log").start()

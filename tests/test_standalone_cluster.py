@@ -18,7 +18,7 @@ from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.cluster import StandaloneCluster
 from cluster_serving.ops.processes import free_port
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import assert_served, http_call
+from tests.conftest import assert_served, http_call, requests_per_subtask
 from tests.test_broker_outage import PacedSender, longest_gap, read_until
 
 log = logging.getLogger(__name__)
@@ -121,3 +121,25 @@ def busy_taskmanager(cluster: StandaloneCluster, job_id: str) -> psutil.Process:
         ):
             return process
     raise AssertionError(f"no TaskManager process listens on {sorted(ports)}")
+
+
+def test_parallelism_four_over_two_taskmanagers_serves_from_every_subtask(tmp_path: Path, write_config) -> None:
+    """Two TaskManagers of two slots, the job at parallelism 4 over 8 partitions: its subtasks on
+    both TaskManagers, every request answered once, and every subtask took a share of them."""
+    folder, rest_port = tmp_path / "flink", free_port()
+    path, config = write_config(flink={"rest_port": rest_port, "parallelism": 4}, kafka={"partitions": 8})
+    cluster = StandaloneCluster(rest_port, folder, task_slots=2, taskmanagers=2)
+    cluster.start()
+    try:
+        job_id = cluster.submit(path)
+        cluster.rest.wait_until_running(job_id, 120)
+        assert len(job_data_ports(cluster, job_id)) == 2, "the four subtasks are not on both TaskManagers"
+        started = time.monotonic()
+        assert_served(config, 4_000, seed=13, timeout=180)
+        served_s = time.monotonic() - started
+        counts = requests_per_subtask(cluster.rest.get, job_id, 4, 4_000)
+    finally:
+        cluster.stop()
+    print(f"parallelism 4 over 2 TaskManagers: 4,000 requests answered in {served_s:.1f} s, per subtask {counts}")
+    # numRecordsIn counts the routing table's control record too, one per subtask or more.
+    assert sum(counts) >= 4_000 and all(count > 0 for count in counts), f"requests per subtask: {counts}"
