@@ -32,12 +32,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config
 from cluster_serving.http.catalog import Catalog
-from cluster_serving.http.errors import ModelNotFound
+from cluster_serving.http.errors import RESULT_ERRORS, ModelNotFound, http_status
 from cluster_serving.kafka.admin import ensure_topics
 from cluster_serving.ops.children import EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.runtime.signature import repository_signatures
-from cluster_serving.wire.codec import Message, decode_message, encode_message
+from cluster_serving.wire.codec import ERROR_CODES, Message, decode_message, encode_message
 from tests.conftest import http_call
 from tests.onnx_models import graph_model
 from tests.stub_http import JsonHandler
@@ -444,3 +444,12 @@ def test_the_real_job_serves_each_route_by_the_headers(tmp_path: Path, broker: L
     finally:
         bridge.stop()
         job.stop()
+
+
+def test_every_error_code_has_its_http_status() -> None:
+    """The bridge answers each code the job writes with a status of its own table, none by text."""
+    assert set(RESULT_ERRORS) == set(ERROR_CODES)
+    assert {code: http_status(RESULT_ERRORS[code]("x")) for code in ERROR_CODES} == {
+        "bad_request": 400, "too_large": 413, "unknown_model": 404, "unknown_version": 404,
+        "preprocess_failed": 400, "inference_failed": 500, "postprocess_failed": 500, "internal": 500,
+    }
