@@ -9,11 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
 from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.config import ServingConfig
 from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.cluster import StandaloneCluster
 from cluster_serving.ops.processes import free_port
@@ -64,17 +67,27 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
     assert gone.returncode == 3 and "not answering" in gone.stdout
 
 
-def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_config) -> None:
-    """Parallelism 2 over two TaskManagers of two slots each; one is SIGKILLed while requests flow,
-    and the job restarts the lost subtask from its last checkpoint on the other's free slot."""
+@contextmanager
+def job_on_two_taskmanagers(tmp_path: Path, write_config, parallelism: int, partitions: int) -> Iterator[tuple[StandaloneCluster, ServingConfig, str]]:
+    """The job submitted at `parallelism` to two TaskManagers of two slots each, running with its
+    subtasks on both; the cluster stops at the end."""
     folder, rest_port = tmp_path / "flink", free_port()
-    path, config = write_config(flink={"rest_port": rest_port, "parallelism": 2}, kafka={"partitions": 2})
+    path, config = write_config(flink={"rest_port": rest_port, "parallelism": parallelism}, kafka={"partitions": partitions})
     cluster = StandaloneCluster(rest_port, folder, task_slots=2, taskmanagers=2)
     cluster.start()
     try:
         job_id = cluster.submit(path)
         cluster.rest.wait_until_running(job_id, 120)
-        assert len(job_data_ports(cluster, job_id)) == 2, "the two subtasks share one TaskManager"
+        assert len(job_data_ports(cluster, job_id)) == 2, "the subtasks are not on both TaskManagers"
+        yield cluster, config, job_id
+    finally:
+        cluster.stop()
+
+
+def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_config) -> None:
+    """Parallelism 2 over two TaskManagers of two slots each; one is SIGKILLed while requests flow,
+    and the job restarts the lost subtask from its last checkpoint on the other's free slot."""
+    with job_on_two_taskmanagers(tmp_path, write_config, parallelism=2, partitions=2) as (cluster, config, job_id):
         count, rate = 4_000, 200
         inputs = InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic)
         outputs = OutputQueue(config.kafka.bootstrap_servers, config.kafka.result_topic, group_id="tm-client")
@@ -100,8 +113,6 @@ def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_
         history = cluster.rest.get(f"/jobs/{job_id}/exceptions")
         assert history["exceptionHistory"]["entries"], "the job saw no failure: the kill tested nothing"
         assert cluster.rest.job(job_id)["state"] == "RUNNING"
-    finally:
-        cluster.stop()
 
 
 def job_data_ports(cluster: StandaloneCluster, job_id: str) -> set[int]:
@@ -126,20 +137,11 @@ def busy_taskmanager(cluster: StandaloneCluster, job_id: str) -> psutil.Process:
 def test_parallelism_four_over_two_taskmanagers_serves_from_every_subtask(tmp_path: Path, write_config) -> None:
     """Two TaskManagers of two slots, the job at parallelism 4 over 8 partitions: its subtasks on
     both TaskManagers, every request answered once, and every subtask took a share of them."""
-    folder, rest_port = tmp_path / "flink", free_port()
-    path, config = write_config(flink={"rest_port": rest_port, "parallelism": 4}, kafka={"partitions": 8})
-    cluster = StandaloneCluster(rest_port, folder, task_slots=2, taskmanagers=2)
-    cluster.start()
-    try:
-        job_id = cluster.submit(path)
-        cluster.rest.wait_until_running(job_id, 120)
-        assert len(job_data_ports(cluster, job_id)) == 2, "the four subtasks are not on both TaskManagers"
+    with job_on_two_taskmanagers(tmp_path, write_config, parallelism=4, partitions=8) as (cluster, config, job_id):
         started = time.monotonic()
         assert_served(config, 4_000, seed=13, timeout=180)
         served_s = time.monotonic() - started
         counts = requests_per_subtask(cluster.rest.get, job_id, 4, 4_000)
-    finally:
-        cluster.stop()
     print(f"parallelism 4 over 2 TaskManagers: 4,000 requests answered in {served_s:.1f} s, per subtask {counts}")
     # numRecordsIn counts the routing table's control record too, one per subtask or more.
     assert sum(counts) >= 4_000 and all(count > 0 for count in counts), f"requests per subtask: {counts}"
