@@ -1,71 +1,128 @@
 """The plain consumer loop: what a user would write in 40 lines instead of the serving job, so the
-benchmark can say what Flink, the keyed batcher and checkpoints cost (or buy) on the same backlog.
+benchmark can say what Flink, the micro-batcher and checkpoints cost (or buy) on the same requests.
 
-    python -m bench.baseline --config CONFIG --result-topic TOPIC
+    python -m bench.baseline --config CONFIG --input-topic RAW --result-topic TOPIC [--client librdkafka]
 
-It reads every partition of the config's input topic from the start, runs each poll's records as
-one batch with the job's session (same model, same device choice, runs of the job's size) and
-writes the results, in the job's wire format, to TOPIC, flushing them before the next poll. It
-runs until stopped; the benchmark times it by TOPIC's end offsets. It takes its partitions
-itself, in no consumer group: kafka-python 3.0.12's group consumer twice spun for good (100% CPU,
-in ensure_coordinator_ready, seen with py-spy) after draining part of a bench backlog, and one
-backlog read once needs no committed offsets.
+Requests on RAW are what a user's producer would write: the key is the uri, the value the raw bytes
+of the model's one input (float32 in the input's shape, or a JPEG the loop decodes as the config's
+`preprocess.images` says). The loop takes up to `batch_size` records at a time, stacks them, runs
+them with the job's session settings (provider, threads, no spinning) in runs of the job's
+`run_batch_size`, and writes each result (the raw bytes of the first output's row, key = uri) to
+TOPIC without waiting for delivery. It runs until stopped; the benchmark times it by TOPIC's end
+offsets. Two clients, as users pick them:
+- `librdkafka` (confluent-kafka): a consumer group, `consume(batch_size)`, `produce` + `poll(0)`,
+  librdkafka's defaults with `linger.ms` 5;
+- `kafka-python`: the same loop; it takes the topic's partitions itself, in no consumer group:
+  kafka-python 3.0.12's group consumer twice spun for good (100% CPU in
+  ensure_coordinator_ready, seen with py-spy) partway through a backlog.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+import numpy as np
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ServingConfig, load_config
-from cluster_serving.runtime.model import OnnxModel
+from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.preprocess import prepare_values
-from cluster_serving.wire.codec import Message, decode_message, encode_message
+from cluster_serving.wire.codec import EncodedImage
+from cluster_serving.wire.tensors import ONNX_DTYPES
 
 READY_LINE = "plain loop: consuming "
+CLIENTS = ("librdkafka", "kafka-python")
+LINGER_MS = 5
+POLL_TIMEOUT_S = 0.1
+
+# (key, value) of the records one poll returned.
+Records = list[tuple[bytes, bytes]]
+# Sends one result: (result topic, key, value).
+Send = Callable[[str, bytes, bytes], None]
 
 
-def serve(config: ServingConfig, result_topic: str) -> None:
-    """Poll, decode (images one at a time, as preprocess.images says), stack and run (in runs of
-    the job's batching.run_batch_size, as the job's OnnxModel.run_stacked does), encode, produce,
-    flush: forever."""
+def librdkafka_records(config: ServingConfig, topic: str) -> tuple[Iterator[Records], Send]:
+    from confluent_kafka import Consumer, Producer
+
     kafka = config.kafka
-    model = OnnxModel(config.model.path, config.device, threads=config.model.threads)
-    consumer = KafkaConsumer(
-        bootstrap_servers=kafka.bootstrap_servers, auto_offset_reset="earliest", enable_auto_commit=False,
-        # kafka-python's 1 MiB per partition holds only 21 requests of 48 KiB, less than a batch;
-        # this lets one fetch bring many batches and any record up to the project's limit.
-        max_partition_fetch_bytes=KAFKA_RECORD_BYTES,
-    )
-    partitions = consumer.partitions_for_topic(kafka.input_topic)
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"plain-loop-{topic}",
+                         "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": LINGER_MS,
+                         "message.max.bytes": KAFKA_RECORD_BYTES})
+
+    def polls() -> Iterator[Records]:
+        while True:
+            yield [(m.key(), m.value()) for m in consumer.consume(config.batching.batch_size, POLL_TIMEOUT_S)
+                   if m.error() is None]
+
+    def send(result_topic: str, key: bytes, value: bytes) -> None:
+        while True:
+            try:
+                producer.produce(result_topic, value, key)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                producer.poll(POLL_TIMEOUT_S)
+        producer.poll(0)
+
+    return polls(), send
+
+
+def kafka_python_records(config: ServingConfig, topic: str) -> tuple[Iterator[Records], Send]:
+    from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+    kafka = config.kafka
+    consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap_servers, auto_offset_reset="earliest",
+                             enable_auto_commit=False, max_partition_fetch_bytes=KAFKA_RECORD_BYTES)
+    partitions = consumer.partitions_for_topic(topic)
     if not partitions:
-        raise SystemExit(f"error: plain loop: no topic {kafka.input_topic!r} at {kafka.bootstrap_servers}")
-    consumer.assign([TopicPartition(kafka.input_topic, partition) for partition in sorted(partitions)])
-    producer = KafkaProducer(
-        bootstrap_servers=kafka.bootstrap_servers, acks="all", linger_ms=1, max_request_size=KAFKA_RECORD_BYTES,
-    )
-    print(f"{READY_LINE}{kafka.input_topic} -> {result_topic} on {model.provider}", flush=True)
-    while True:
-        records = [r for batch in consumer.poll(timeout_ms=100, max_records=config.batching.batch_size).values()
-                   for r in batch]
+        raise SystemExit(f"error: plain loop: no topic {topic!r} at {kafka.bootstrap_servers}")
+    consumer.assign([TopicPartition(topic, partition) for partition in sorted(partitions)])
+    producer = KafkaProducer(bootstrap_servers=kafka.bootstrap_servers, linger_ms=LINGER_MS,
+                             max_request_size=KAFKA_RECORD_BYTES)
+
+    def polls() -> Iterator[Records]:
+        while True:
+            batches = consumer.poll(timeout_ms=POLL_TIMEOUT_S * 1000, max_records=config.batching.batch_size)
+            yield [(r.key, r.value) for batch in batches.values() for r in batch]
+
+    def send(result_topic: str, key: bytes, value: bytes) -> None:
+        producer.send(result_topic, key=key, value=value)
+
+    return polls(), send
+
+
+def serve(config: ServingConfig, input_topic: str, result_topic: str, client: str) -> None:
+    """Poll, stack, run, produce: forever."""
+    session = open_session(config.model.path, config.device, config.model.threads)
+    (node,) = session.get_inputs()
+    shape, dtype = tuple(node.shape[1:]), ONNX_DTYPES[node.type]
+    image = config.preprocess.images.get(node.name)
+    run_size = config.batching.run_batch_size or config.batching.batch_size
+    polls, send = (librdkafka_records if client == "librdkafka" else kafka_python_records)(config, input_topic)
+    print(f"{READY_LINE}{input_topic} -> {result_topic} on {session.get_providers()[0]} with {client}", flush=True)
+    for records in polls:
         if not records:
             continue
-        messages = [decode_message(record.value, config.limits.max_instance_bytes) for record in records]
-        feeds = [prepare_values(message.tensors, config.preprocess.images, config.limits) for message in messages]
-        results = model.run_stacked(feeds, config.batching.run_batch_size)
-        for i, message in enumerate(messages):
-            tensors = {name: values[i] for name, values in results.items()}
-            producer.send(result_topic, key=message.uri.encode(), value=encode_message(Message(message.uri, tensors)))
-        producer.flush()
+        if image is None:
+            batch = np.frombuffer(b"".join(value for _, value in records), dtype).reshape(len(records), *shape)
+        else:
+            batch = np.stack([prepare_values({node.name: EncodedImage(value)}, config.preprocess.images,
+                                             config.limits)[node.name] for _, value in records])
+        outputs = np.concatenate([session.run(None, {node.name: batch[start:start + run_size]})[0]
+                                  for start in range(0, len(batch), run_size)])
+        for (key, _), row in zip(records, outputs):
+            send(result_topic, key, row.tobytes())
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench.baseline", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="the job's config: broker, input topic, model, batch size")
+    parser.add_argument("--config", required=True, help="the job's config: broker, model, batching, threads, images")
+    parser.add_argument("--input-topic", required=True, help="where the raw requests are")
     parser.add_argument("--result-topic", required=True, help="where the loop writes its results")
+    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0])
     args = parser.parse_args(argv)
-    serve(load_config(args.config), args.result_topic)
+    serve(load_config(args.config), args.input_topic, args.result_topic, args.client)
 
 
 if __name__ == "__main__":

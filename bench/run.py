@@ -64,7 +64,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import yaml
+from confluent_kafka import Producer
 
+from bench.baseline import CLIENTS as PLAIN_LOOP_CLIENTS
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
 from bench.kafka_load import Arrival, ResultReader, paced, paced_sender
@@ -77,6 +79,7 @@ from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_record
 from cluster_serving.ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.runtime.model import open_session
+from cluster_serving.wire.codec import EncodedImage
 from cluster_serving.wire.tensors import ONNX_DTYPES
 
 # Distinct instances per model; requests cycle through them (a CNN backlog would otherwise be
@@ -116,8 +119,9 @@ class PlainLoop(ChildProcess):
     module = "bench.baseline"
     ready_pattern = re.compile(re.escape(PLAIN_LOOP_READY))
 
-    def __init__(self, config_path: Path, result_topic: str, log_path: Path):
-        super().__init__(["--config", str(config_path), "--result-topic", result_topic], log_path)
+    def __init__(self, config_path: Path, input_topic: str, result_topic: str, client: str, log_path: Path):
+        super().__init__(["--config", str(config_path), "--input-topic", input_topic, "--result-topic", result_topic,
+                          "--client", client], log_path)
 
 
 def progress(model: str, text: str) -> None:
@@ -225,16 +229,44 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     return len(uris) / (time.perf_counter() - started), True
 
 
-def plain_loop_rate(config_path: Path, config: ServingConfig, topic: str, start: int, end: int,
-                    log_path: Path) -> float:
-    """Drain rate of the plain loop over the backlog already on the input topic, run while
-    nothing else serves, so it has the cores to itself as the job will."""
-    loop, reader = PlainLoop(config_path, topic, log_path), ResultReader(config.kafka.bootstrap_servers, topic)
-    try:
-        return timed_drain(reader, loop, start, end)
-    finally:
-        loop.stop()
-        reader.close()
+def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarray | list, uris: list[str],
+                     warmup: int, folder: Path) -> dict[str, float]:
+    """Drain rate of each plain loop (PLAIN_LOOP_CLIENTS) over the same backlog as raw bytes, as a
+    user's producer writes them, on a topic of its own with the job's partitions; each loop runs
+    alone and writes to a result topic of its own, so that it has the cores to itself as the job will."""
+    kafka = config.kafka
+    raw_topic = f"{kafka.input_topic}-raw"
+    ensure_topics(kafka.model_copy(update={"input_topic": raw_topic}))
+    progress(model.name, f"the same backlog as raw bytes on {raw_topic} for the plain loops ...")
+    enqueue_raw(kafka.bootstrap_servers, raw_topic, uris, samples)
+    rates = {}
+    for client in PLAIN_LOOP_CLIENTS:
+        progress(model.name, f"plain consumer loop on {client} (bench/baseline.py) draining it ...")
+        result_topic = f"{kafka.result_topic}-plain-{client}"
+        ensure_topics(kafka.model_copy(update={"result_topic": result_topic}))
+        loop = PlainLoop(config.source, raw_topic, result_topic, client, folder / f"plain-{client}-{model.name}.log")
+        reader = ResultReader(kafka.bootstrap_servers, result_topic)
+        try:
+            rates[client] = timed_drain(reader, loop, warmup, len(uris))
+        finally:
+            loop.stop()
+            reader.close()
+    return rates
+
+
+def enqueue_raw(bootstrap: str, topic: str, uris: list[str], samples: np.ndarray | list) -> None:
+    """One record per uri, its value the raw bytes of a sample (a tensor's, or a JPEG's)."""
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50})
+    for i, uri in enumerate(uris):
+        sample = samples[i % len(samples)]
+        while True:
+            try:
+                producer.produce(topic, sample.data if isinstance(sample, EncodedImage) else sample.tobytes(), uri)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    if producer.flush(DRAIN_TIMEOUT_S):
+        raise RuntimeError(f"the raw backlog for the plain loops was not all written to {topic}")
 
 
 def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str],
@@ -316,7 +348,8 @@ def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Na
     path = write_run_config(
         folder, model_path, bootstrap,
         batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms, "run_batch_size": run_batch_size},
-        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads}, **sections,
+        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
+        kafka={"partitions": args.partitions}, **sections,
     )
     config = load_config(path)
     ensure_topics(config.kafka, topic_configs=BROKER_TIMESTAMPS)
@@ -338,15 +371,10 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     images = {"preprocess": {"images": model.images}} if model.images else {}
     config = run_config(folder, model_path, bootstrap, args, run_size, **images)
     config_path = config.source
-    plain_topic = f"{config.kafka.result_topic}-plain-loop"
-    ensure_topics(config.kafka.model_copy(update={"result_topic": plain_topic}))
     samples = model.samples(SAMPLES)
     warmup, backlog = backlog_uris("", args.requests or model.requests, args)
     client_figures = fill_backlog(config, model, samples, warmup + backlog)
-
-    progress(model.name, "plain consumer loop (bench/baseline.py) draining the backlog ...")
-    plain = plain_loop_rate(config_path, config, plain_topic, len(warmup), len(warmup) + len(backlog),
-                            folder / f"plain-loop-{model.name}.log")
+    plain = plain_loop_rates(config, model, samples, warmup + backlog, len(warmup), folder)
 
     session = open_session(model_path, args.device, args.threads)  # the job's provider choice and threads
     runs_of = min(run_size or args.batch_size, args.batch_size)  # what a run of the job holds at most
@@ -508,6 +536,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=job.batching.batch_size)
     parser.add_argument("--max-delay-ms", type=int, default=job.batching.max_delay_ms)
     parser.add_argument("--parallelism", type=int, default=job.flink.parallelism)
+    parser.add_argument("--partitions", type=int, default=job.kafka.partitions,
+                        help="partitions of the input topics (the job's and the plain loops')")
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--run-batch-size", type=int,

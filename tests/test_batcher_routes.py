@@ -8,6 +8,8 @@ import struct
 
 import pytest
 
+from cluster_serving.wire.codec import MAX_URI_CHARS
+
 from cluster_serving.runtime.frames import (
     BATCH,
     CONTROL,
@@ -170,7 +172,7 @@ def test_jvm_frames_read_in_python(jvm) -> None:
         fields = gateway.new_array(gateway.jvm.Object, 2)
         fields[0], fields[1] = uri, bytearray(payload)
         rows.add(gateway.jvm.org.apache.flink.types.Row.of(fields))
-    batch = read_frame(bytes(jvm.BatchFrames.encodeBatch("m", "", rows)))
+    batch = read_frame(bytes(jvm.BatchFrames.encodeBatch("m", "", rows, MAX_URI_CHARS, 1 << 20)))
     assert plain(batch) == (BATCH, "m", "", None, [("u-1", b"\x00\xff"), (None, b"")])
     assert plain(read_frame(bytes(jvm.BatchFrames.encodeControl("1\tm\nm\t1\t0\t")))) == (
         CONTROL, "", "", "1\tm\nm\t1\t0\t", [],
@@ -181,7 +183,7 @@ def test_operator_rejects_a_malformed_table(jvm) -> None:
     from py4j.protocol import Py4JJavaError
 
     with pytest.raises(Py4JJavaError, match="IllegalArgumentException"):
-        jvm.MicroBatchOperator("not a table", 1000)
+        jvm.MicroBatchOperator("not a table", 1000, MAX_URI_CHARS, 1 << 20)
 
 
 def test_batches_per_route_and_control_records(env) -> None:
@@ -218,7 +220,7 @@ def test_batches_per_route_and_control_records(env) -> None:
         # end of input: what waits is flushed, b before b/1
     ]
     requests = env.from_collection(rows, type_info=REQUEST_ROW)
-    frames = micro_batches(requests, first, max_batch_bytes=1000)
+    frames = micro_batches(requests, first, 1 << 20, max_batch_bytes=1000)
     seen = []
     with frames.execute_and_collect("batcher-routes") as results:
         for frame in results:

@@ -20,6 +20,7 @@ from pyflink.datastream import DataStream, StreamExecutionEnvironment
 from pyflink.java_gateway import get_gateway
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
+from cluster_serving.wire.codec import MAX_URI_CHARS
 
 # A batch is flushed early once its requests add up to this many bytes, so that one frame stays a
 # few of the largest requests (KAFKA_RECORD_BYTES each), not batch_size of them.
@@ -34,12 +35,17 @@ REQUEST_ROW = Types.ROW_NAMED(
 )
 
 
-def micro_batches(requests: DataStream, table_text: str, max_batch_bytes: int = MAX_BATCH_BYTES) -> DataStream:
+def micro_batches(requests: DataStream, table_text: str, max_instance_bytes: int,
+                  max_batch_bytes: int = MAX_BATCH_BYTES) -> DataStream:
     """REQUEST_ROW requests -> one frame per micro-batch of one route, a control frame first and at
     every newer table (cluster_serving/runtime/frames.py read_frame). `table_text` is the routing table the job starts
     with; one restored from a checkpoint wins when its generation is newer. A malformed table
-    raises here (py4j's error around the JVM's IllegalArgumentException)."""
-    batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(table_text, max_batch_bytes)
+    raises here (py4j's error around the JVM's IllegalArgumentException). A batch of alike
+    requests goes as one "A" frame when they are within the limits Python holds each to
+    (MAX_URI_CHARS, `max_instance_bytes`), else as a "B" frame, where the ones over them get
+    their error results."""
+    batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(
+        table_text, max_batch_bytes, MAX_URI_CHARS, max_instance_bytes)
     return DataStream(requests._j_data_stream.transform("micro-batch", FRAME.get_java_type_info(), batcher))
 
 

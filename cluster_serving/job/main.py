@@ -122,7 +122,7 @@ def build_pipeline(
     requests = env.from_source(
         request_source(kafka, key), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
     ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
-    batches = micro_batches(requests, table.text()).uid("micro-batch-jvm").set_description(
+    batches = micro_batches(requests, table.text(), config.limits.max_instance_bytes).uid("micro-batch-jvm").set_description(
         "in the JVM: a batch per model and version, at its batch_size requests, max_delay_ms after its first,"
         " or (max_delay_ms 0) once the input has nothing more ready"
     )

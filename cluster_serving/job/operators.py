@@ -9,8 +9,7 @@ from pyflink.datastream import MapFunction, RuntimeContext
 
 from cluster_serving.config import LimitsConfig, ServingConfig
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame
-from cluster_serving.runtime.encode import encode_outcomes
-from cluster_serving.runtime.frames import write_frame
+from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.outcomes import Outcome
 from cluster_serving.runtime.serve import BatchServer, BatchStats
 
@@ -28,7 +27,7 @@ class DecodeBatch(MapFunction):
 
     def map(self, value: bytes) -> DecodedBatch:
         batch = decode_frame(value, self.limits)
-        self.records_in.inc(len(batch.instances) + len(batch.rejected) + batch.dropped)
+        self.records_in.inc(batch.size)
         self.decode_errors.inc(len(batch.rejected) + batch.dropped)
         return batch
 
@@ -80,4 +79,4 @@ class EncodeResults(MapFunction):
     """Outcomes -> one frame of (uri, result bytes), split into Kafka records in the JVM."""
 
     def map(self, value: list[Outcome]) -> bytes:
-        return write_frame(encode_outcomes(value))
+        return results_frame(value)

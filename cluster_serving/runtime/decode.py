@@ -12,10 +12,39 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster_serving.config import ImageConfig, LimitsConfig
-from cluster_serving.runtime.frames import read_frame
+from cluster_serving.runtime.frames import AlikeRecords, UriBlock, read_frame
 from cluster_serving.runtime.outcomes import InvalidInput, error_result, reason
 from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, BatchArray, decode_images, prepare_values
-from cluster_serving.wire.codec import MAX_URI_CHARS, DecodeError, EncodedImage, Message, decode_message
+from cluster_serving.wire.codec import (
+    MAX_URI_CHARS,
+    DecodeError,
+    EncodedImage,
+    Message,
+    Served,
+    decode_message,
+    decode_stacked,
+)
+
+
+@dataclass
+class AlikeRequests:
+    """The requests of an alike batch (frames.py), decoded together: each input stacked, row i
+    request i's. `served`: what their layout says of how they were served (results only)."""
+
+    uris: UriBlock
+    tensors: dict[str, np.ndarray]
+    layout: bytes
+    served: Served
+
+    def __len__(self) -> int:
+        return len(self.uris)
+
+    def messages(self) -> list[Message]:
+        """One message per request, as decoding each alone would have made it."""
+        batch_size, inference_us, model, model_version = self.served
+        return [Message(uri, {name: value[i] for name, value in self.tensors.items()}, None, None,
+                        batch_size, inference_us, None, model, model_version, self.layout)
+                for i, uri in enumerate(self.uris)]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +62,19 @@ class DecodedBatch:
     table: str | None = None
     # Records without a uri to answer (logged, no result possible).
     dropped: int = 0
+    # An alike batch's requests, decoded together (then `instances` is empty).
+    alike: AlikeRequests | None = None
+
+    @property
+    def size(self) -> int:
+        """The records the batch came as."""
+        return len(self.instances) + len(self.rejected) + self.dropped + (len(self.alike) if self.alike else 0)
+
+    def requests(self) -> list[Message]:
+        """Every request to serve, one message each (an alike batch's made so now)."""
+        if self.alike is not None:
+            self.instances, self.alike = self.alike.messages(), None
+        return self.instances
 
 
 def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
@@ -40,7 +82,10 @@ def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
     read = read_frame(frame)
     if read.table is not None:
         return DecodedBatch([], [], table=read.table)
-    batch, batch.dropped = decode_records(read.records, limits)
+    if read.alike is not None:
+        batch = decode_alike(read.alike)
+    else:
+        batch, batch.dropped = decode_records(read.records, limits)
     batch.model, batch.version = read.model, read.version
     return batch
 
@@ -68,6 +113,16 @@ def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig
             continue
         instances.append(message)
     return DecodedBatch(instances, rejected), dropped
+
+
+def decode_alike(records: AlikeRecords) -> DecodedBatch:
+    """An alike batch, decoded together; a layout that does not decode fails each request, as it
+    would have alone."""
+    try:
+        tensors, served = decode_stacked(records.layout, len(records.uris), records.values)
+    except DecodeError as exc:
+        return DecodedBatch([], [error_result(uri, "bad request", exc) for uri in records.uris])
+    return DecodedBatch([], [], alike=AlikeRequests(records.uris, tensors, records.layout, served))
 
 
 def prepare_instances(

@@ -1,4 +1,5 @@
-"""Encoding: results -> one frame of (uri, result message bytes), split into Kafka records in the JVM."""
+"""Encoding: results -> one frame of (uri, result message bytes) and alike sections (the rows of a
+stacked run, made messages by the JVM), split into Kafka records in the JVM."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import logging
 from typing import Iterator
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
+from cluster_serving.runtime.frames import AlikeResults, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
-from cluster_serving.wire.codec import Message, Served, encode_message, encode_rows
+from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, encode_message, encode_rows, stacked_rows
+from cluster_serving.wire.v2 import carries
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,31 @@ def encode_result(result: Message) -> bytes:
     except ValueError as exc:
         return _refused(result.uri, f"result not encodable: {exc}")
     return _within_limit(result.uri, payload)
+
+
+def results_frame(outcomes: list[Outcome]) -> bytes:
+    """The frame of a batch's results: each stacked run's rows as an alike section, when the
+    format carries them, the rest as (uri, message) records."""
+    sections, others = [], []
+    for outcome in outcomes:
+        section = alike_results(outcome) if isinstance(outcome, Rows) else None
+        if section is None:
+            others.append(outcome)
+        else:
+            sections.append(section)
+    return write_frame(encode_outcomes(others), sections)
+
+
+def alike_results(rows: Rows) -> AlikeResults | None:
+    """A stacked run's results as one section, or None where encode_outcomes must look at each:
+    an output format 2 cannot carry, or results that may be over the record limit."""
+    if not rows.uris or not rows.outputs or not carries(rows.outputs):
+        return None
+    tail, row_size, values = stacked_rows(
+        rows.outputs, Served(len(rows.uris), rows.inference_us, rows.model, rows.model_version))
+    if 16 + 4 * MAX_URI_CHARS + len(tail) + row_size > MAX_RESULT_BYTES:
+        return None
+    return AlikeResults(UriBlock.of(rows.uris), tail, row_size, values)
 
 
 def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:

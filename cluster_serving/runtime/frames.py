@@ -8,23 +8,97 @@ count, then per record a uint32 uri length (0xFFFFFFFF: a record without a key),
 a uint32 payload length and the payload. A frame to Python starts with a header, a uint32 length
 and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (the requests'
 `model` and `version` headers, "" when absent), or "C" + the routing table text for a control
-frame (no records; the batches after it were made by that table). A results frame back is the
-record part alone.
+frame (no records; the batches after it were made by that table).
+
+A batch of alike requests (format 2 messages of one layout, each under its uri as the record key:
+what a client sending one model's tensors writes) comes as "A" + model + TAB + version, taken apart
+by the JVM so that Python reads it without a step per request: a uint32 count, the layout (uint32
+length, bytes), a uint32 value size, the uris block (uint32 byte length, then per request a uint32
+length and the uri) and the values block (value size bytes per request, one after another).
+
+A results frame back is a record part, then any number of alike sections, one per stacked run
+(`AlikeResults`): a uint32 count, the layout tail the results share (format 2's: uint32 length,
+JSON), a uint32 row size, a uris block and the rows block; the JVM writes each row's message.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from cluster_serving.wire.v2 import message_from_parts
 
 _U32 = struct.Struct("<I")
 NO_URI = 0xFFFFFFFF
 BATCH = "batch"
+ALIKE = "alike"
 CONTROL = "control"
-_KINDS = {"B": BATCH, "C": CONTROL}
+_KINDS = {"B": BATCH, "A": ALIKE, "C": CONTROL}
 
 Record = tuple[str | None, memoryview]
+
+
+class UriBlock(Sequence[str]):
+    """The uris of a frame's uris block, read only when asked for: a batch served whole never
+    needs them in Python, only passes the block back with its results."""
+
+    def __init__(self, block: bytes | memoryview, count: int):
+        self.block = block
+        self.count = count
+
+    @staticmethod
+    def of(uris: Sequence[str]) -> UriBlock:
+        if isinstance(uris, UriBlock):
+            return uris
+        parts = []
+        for uri in uris:
+            key = uri.encode()
+            parts += (_U32.pack(len(key)), key)
+        return UriBlock(b"".join(parts), len(uris))
+
+    @cached_property
+    def _uris(self) -> list[str]:
+        uris, at, view = [], 0, memoryview(self.block)
+        for _ in range(self.count):
+            (length,) = _U32.unpack_from(view, at)
+            uris.append(str(view[at + 4:at + 4 + length], "utf-8"))
+            at += 4 + length
+        if at != len(view):
+            raise FrameError(f"a uris block of {self.count} uris ends at byte {at}, not {len(view)}")
+        return uris
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._uris[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._uris)
+
+
+@dataclass(frozen=True)
+class AlikeRecords:
+    """The requests of an alike batch: one format 2 layout, each request's values `value_size`
+    bytes of `values` in turn."""
+
+    uris: UriBlock
+    layout: bytes
+    value_size: int
+    values: memoryview
+
+
+@dataclass(frozen=True)
+class AlikeResults:
+    """The results of one stacked run, for the JVM to write as format 2 messages: the layout tail
+    they share, and each uri's row of `rows` (`row_size` bytes each)."""
+
+    uris: UriBlock
+    tail: bytes
+    row_size: int
+    rows: bytes | memoryview
 
 
 class FrameError(ValueError):
@@ -42,6 +116,8 @@ class Frame:
     version: str
     table: str | None
     records: list[Record]
+    # kind ALIKE: the batch's requests (and no records).
+    alike: AlikeRecords | None = field(default=None, repr=False)
 
     @property
     def is_control(self) -> bool:
@@ -56,12 +132,13 @@ def read_frame(frame: bytes) -> Frame:
         if 4 + length > len(frame):
             raise FrameError(f"a frame header of {length} bytes does not fit a frame of {len(frame)}")
         header = str(view[4:4 + length], "utf-8")
-        records = _read_records(frame, view, 4 + length)
+        kind = _KINDS.get(header[:1])
+        alike = _read_alike(frame, view, 4 + length) if kind == ALIKE else None
+        records = [] if kind == ALIKE else _read_records(frame, view, 4 + length)
     except (struct.error, UnicodeDecodeError) as exc:
         raise FrameError(f"a frame of {len(frame)} bytes does not parse: {exc}") from None
-    kind = _KINDS.get(header[:1])
     if kind is None:
-        raise FrameError(f"a frame header starts with {header[:1]!r}, not 'B' or 'C'")
+        raise FrameError(f"a frame header starts with {header[:1]!r}, not 'A', 'B' or 'C'")
     if kind == CONTROL:
         if records:
             raise FrameError(f"a control frame carries {len(records)} records")
@@ -71,7 +148,19 @@ def read_frame(frame: bytes) -> Frame:
     model, tab, version = header[1:].rpartition("\t")
     if not tab:
         raise FrameError(f"a batch frame header has no tab: {header[:80]!r}")
-    return Frame(BATCH, model, version, None, records)
+    return Frame(kind, model, version, None, records, alike)
+
+
+def _read_alike(frame: bytes, view: memoryview, at: int) -> AlikeRecords:
+    count, layout_length = struct.unpack_from("<II", frame, at)
+    at += 8
+    layout = bytes(view[at:at + layout_length])
+    value_size, uris_length = struct.unpack_from("<II", frame, at + layout_length)
+    at += layout_length + 8
+    values_at = at + uris_length
+    if count == 0 or values_at + count * value_size != len(frame):
+        raise FrameError(f"an alike batch of {count} requests of {value_size} bytes does not fill a frame of {len(frame)}")
+    return AlikeRecords(UriBlock(view[at:values_at], count), layout, value_size, view[values_at:])
 
 
 def _read_records(frame: bytes, view: memoryview, at: int) -> list[Record]:
@@ -98,20 +187,41 @@ def _read_records(frame: bytes, view: memoryview, at: int) -> list[Record]:
     return records
 
 
-def write_frame(records: Iterable[tuple[str, bytes]]) -> bytes:
-    """The frame of (uri, payload) records (results: no header)."""
+def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = ()) -> bytes:
+    """The results frame of (uri, payload) records and alike sections (no header)."""
     parts = [b""]
     for uri, payload in records:
         key = uri.encode()
         parts += (_U32.pack(len(key)), key, _U32.pack(len(payload)), payload)
     parts[0] = _U32.pack((len(parts) - 1) // 4)
+    for section in sections:
+        parts += (_U32.pack(section.uris.count), section.tail, _U32.pack(section.row_size),
+                  _U32.pack(len(section.uris.block)), section.uris.block, section.rows)
     return b"".join(parts)
 
 
 def read_result_frame(frame: bytes) -> list[Record]:
-    """The (uri, result payload) records of a results frame (for tests and tools; the JVM splits
-    these into Kafka records)."""
-    return _read_records(frame, memoryview(frame), 0)
+    """The (uri, result payload) records of a results frame, its alike sections' rows made
+    messages as the JVM makes them (for tests and tools; the JVM splits these into Kafka records)."""
+    view = memoryview(frame)
+    (count,) = _U32.unpack_from(frame, 0)
+    at = 4
+    for _ in range(count):
+        at += 4 + _U32.unpack_from(frame, at)[0]
+        at += 4 + _U32.unpack_from(frame, at)[0]
+    records = _read_records(frame[:at], memoryview(frame[:at]), 0)
+    while at < len(frame):
+        (count,) = _U32.unpack_from(frame, at)
+        tail = bytes(view[at + 4:at + 8 + _U32.unpack_from(frame, at + 4)[0]])
+        at += 4 + len(tail)
+        row_size, uris_length = struct.unpack_from("<II", frame, at)
+        uris = UriBlock(view[at + 8:at + 8 + uris_length], count)
+        at += 8 + uris_length
+        for i, uri in enumerate(uris):
+            row = view[at + i * row_size:at + (i + 1) * row_size]
+            records.append((uri, memoryview(message_from_parts(uri, tail, row))))
+        at += count * row_size
+    return records
 
 
 def write_batch_frame(model: str, version: str, records: Iterable[tuple[str | None, bytes]]) -> bytes:

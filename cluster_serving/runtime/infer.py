@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 
+from cluster_serving.runtime.decode import AlikeRequests
 from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.outcomes import InvalidInput, Outcome, Rows, error_result
 from cluster_serving.wire.codec import Message
@@ -55,6 +56,20 @@ def predict(model: OnnxModel, instances: list[Message], run_size: int = 0) -> li
     for group in groups.values():
         outcomes.extend(_run_group(model, group, run_size))
     return outcomes
+
+
+def predict_alike(model: OnnxModel, requests: AlikeRequests, run_size: int = 0) -> list[Outcome]:
+    """The outcomes of an alike batch, run as it came: its inputs are stacked already, and its
+    requests share a layout, so the first is checked for all (its values all, where the model
+    casts them). Whatever fails goes the per-request way (predict), which says whose problem it is."""
+    first = {name: value[0] for name, value in requests.tensors.items()}
+    try:
+        model.prepare(first)
+        if model.casts(first):
+            model.check_values(requests.tensors)
+        return [Rows(requests.uris, model.run_columns(requests.tensors, run_size))]
+    except Exception:
+        return predict(model, requests.messages(), run_size)
 
 
 def _out_of_range(model: OnnxModel, tensors: Feed) -> Exception | None:

@@ -4,6 +4,7 @@ stacking instances into one batched run and splitting the outputs again."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -161,10 +162,15 @@ class OnnxModel:
         """Instances that share a shape signature, stacked along a new first dimension and cast
         to the model's dtypes (a no-op for prepared ones), run `run_size` rows at a time (0: all
         in one run); row i of each output belongs to feeds[i]. Batched models only."""
-        columns = {spec.name: [feed[spec.name] for feed in feeds] for spec in self.inputs}
-        step = run_size or len(feeds)
+        return self.run_columns({spec.name: [feed[spec.name] for feed in feeds] for spec in self.inputs}, run_size)
+
+    def run_columns(self, columns: dict[str, Sequence[np.ndarray]], run_size: int = 0) -> dict[str, np.ndarray]:
+        """Each input's rows (a list of them, or an array stacked already), run `run_size` rows at
+        a time (0: all in one run); row i of each output belongs to row i of the inputs."""
+        count = len(next(iter(columns.values())))
+        step = run_size or count
         runs = [self._run_rows({name: rows[start:start + step] for name, rows in columns.items()})
-                for start in range(0, len(feeds), step)]
+                for start in range(0, count, step)]
         if len(runs) == 1:
             return runs[0]
         return {name: np.concatenate([run[name] for run in runs]) for name in self.output_names}
@@ -189,9 +195,11 @@ class OnnxModel:
         return ", ".join(spec.name for spec in self.inputs)
 
 
-def stack_rows(rows: list[np.ndarray]) -> np.ndarray:
+def stack_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
     """The rows as one array along a new first dimension: when they lie one after another in
     memory already (decode_images lays a batch's images out so), a view of them, not a copy."""
+    if isinstance(rows, np.ndarray):
+        return rows
     first = rows[0]
     step = first.nbytes
     if first.flags.c_contiguous and all(

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 from cluster_serving.config import ServingConfig
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame, prepare_instances
-from cluster_serving.runtime.encode import encode_outcomes
-from cluster_serving.runtime.frames import write_frame
-from cluster_serving.runtime.infer import predict
+from cluster_serving.runtime.encode import results_frame
+from cluster_serving.runtime.infer import predict, predict_alike
 from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow
@@ -62,7 +61,7 @@ class BatchServer:
         """A frame of requests (or of a routing table) in, the frame of their results out."""
         batch = decode_frame(frame, self.config.limits)
         outcomes, _ = self.serve_batch(batch)
-        return write_frame(encode_outcomes(outcomes))
+        return results_frame(outcomes)
 
     def serve_batch(self, batch: DecodedBatch) -> tuple[list[Outcome], BatchStats | None]:
         """The batch's outcomes, and what it did (None when no model ran: a routing table adopted,
@@ -70,16 +69,21 @@ class BatchServer:
         if batch.table is not None:
             self.adopt(batch.table)
             return [], None
-        if not batch.instances:
+        if not batch.instances and batch.alike is None:
             return list(batch.rejected), None
         try:
             served, version = self.servables.resolve(batch.model, batch.version)
         except RouteError as exc:
-            for message in batch.instances:
+            requests = batch.requests()
+            for message in requests:
                 log.warning("uri=%s %s", message.uri, exc)
-            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code) for message in batch.instances], None
+            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code) for message in requests], None
+        size = len(batch.alike) if batch.alike is not None else len(batch.instances)
         started = time.perf_counter()
-        outcomes = self.serve(served, version, batch.instances)
+        if batch.alike is not None and self.serves_whole(served, version):
+            outcomes = predict_alike(served.models[version], batch.alike, served.servable.batching.run_batch_size)
+        else:
+            outcomes = self.serve(served, version, batch.requests())
         elapsed_us = int((time.perf_counter() - started) * 1_000_000)
         name = served.servable.name
         for outcome in outcomes:
@@ -87,7 +91,7 @@ class BatchServer:
             if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
                 outcome.inference_us = elapsed_us
         failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
-        return batch.rejected + outcomes, BatchStats(name, version, len(batch.instances), elapsed_us, failed)
+        return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed)
 
     def adopt(self, text: str) -> None:
         """Opens and closes models as a routing table's text says."""
@@ -97,6 +101,14 @@ class BatchServer:
             log.warning("a control frame without a routing table was ignored")
             return
         self.servables.adopt(table)
+
+    @staticmethod
+    def serves_whole(served: Served, version: int) -> bool:
+        """Whether an alike batch goes to the model as it came, its inputs stacked already: a
+        batched model with no functions or top-N around it."""
+        settings = served.servable.config
+        return (not served.servable.is_pipeline and served.preprocess is None and served.postprocess is None
+                and not settings.postprocess.top_n and served.models[version].batched)
 
     def serve(self, served: Served, version: int, instances: list[Message]) -> list[Outcome]:
         settings = served.servable.config

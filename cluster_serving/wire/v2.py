@@ -61,6 +61,24 @@ def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served 
     return _messages(uris, _layout_tail(spec, served), values)
 
 
+def stacked_rows(tensors: dict[str, np.ndarray], served: Served = Served()) -> tuple[bytes, int, bytes | memoryview]:
+    """The results of stacked tensors (first dimension: one row per result), which `carries`, as
+    the JVM writes them: (the layout tail they share, a row's bytes, the rows one after another);
+    message_from_parts(uri, tail, row i) is row i's message."""
+    arrays = [_little_endian(value) for value in tensors.values()]
+    count = len(arrays[0])
+    spec = tuple((name, _CHARS[array.dtype.char], array.shape[1:]) for name, array in zip(tensors, arrays))
+    columns = [array.reshape(count, -1).view(np.uint8) for array in arrays]
+    rows = memoryview(columns[0]).cast("B") if len(columns) == 1 else np.concatenate(columns, axis=1).data
+    return _layout_tail(spec, served), sum(column.shape[1] for column in columns), rows
+
+
+def message_from_parts(uri: str, tail: bytes, *values: bytes | memoryview) -> bytes:
+    """A message from its uri, its layout tail and its values' bytes."""
+    key = uri.encode()
+    return b"".join([_URI.pack(V2_MAGIC, len(key)), key, tail, *values])
+
+
 def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[bytes] | None:
     """One message per uri from its request's arrays, when every request has the first one's
     names, and arrays of its little-endian number dtypes and shapes: they share one layout, and
@@ -86,11 +104,7 @@ def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[byt
 
 def _messages(uris: list[str], layout_tail: bytes, values: Iterable[list[Any]]) -> list[bytes]:
     """Each uri's message: its header, the shared layout, then its values' bytes."""
-    messages = []
-    for uri, parts in zip(uris, values):
-        key = uri.encode()
-        messages.append(b"".join([_URI.pack(V2_MAGIC, len(key)), key, layout_tail, *parts]))
-    return messages
+    return [message_from_parts(uri, layout_tail, *parts) for uri, parts in zip(uris, values)]
 
 
 def _little_endian(array: np.ndarray) -> np.ndarray:
@@ -134,6 +148,25 @@ def decode(payload: bytes) -> Message:
     # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
     batch_size, inference_us, model, model_version = served
     return Message(uri, values, None, None, batch_size, inference_us, None, model, model_version, layout)
+
+
+def decode_stacked(layout: bytes, count: int, values: memoryview) -> tuple[dict[str, np.ndarray], Served]:
+    """`count` requests of one layout whose values lie one after another in `values`, decoded
+    together: each tensor stacked (row i is request i's, views of `values`, not copies), and what
+    the layout says of how they were served. Refused as decode() refuses each of them."""
+    if len(layout) > MAX_LAYOUT_BYTES:
+        raise DecodeError(f"version 2 layout of {len(layout)} bytes does not fit the message")
+    tensors, needed, served = _parse_layout(layout)
+    if needed * count != len(values):
+        raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(values) // count}")
+    if len(tensors) == 1:
+        name, dtype, shape, _ = tensors[0]
+        return {name: np.frombuffer(values, dtype).reshape(count, *shape)}, served
+    block, at, stacked = np.frombuffer(values, np.uint8).reshape(count, needed), 0, {}
+    for name, dtype, shape, nbytes in tensors:
+        stacked[name] = block[:, at:at + nbytes].view(dtype).reshape(count, *shape)
+        at += nbytes
+    return stacked, served
 
 
 @functools.lru_cache(maxsize=64)

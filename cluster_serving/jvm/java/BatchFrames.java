@@ -4,6 +4,7 @@ import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.Collections;
 import java.util.List;
 import org.apache.flink.types.Row;
@@ -15,17 +16,38 @@ import org.apache.flink.types.Row;
  * bytes, a uint32 payload length and the payload. A frame to Python starts with a header, a uint32
  * length and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (as the
  * requests' headers said, "" when absent), "C" + table text for a control frame (zero records: the
- * routing table the batches after it were made by). The results frame back from Python is the
- * record part alone. job/frames.py reads and writes the same layouts.
+ * routing table the batches after it were made by).
+ *
+ * <p>A batch whose requests are all alike (format 2 messages with the same layout, each under its
+ * own uri as the record key) goes as "A" + model + TAB + version instead, its requests taken
+ * apart here so that Python reads the batch without a step per request: a uint32 count, the
+ * shared layout (uint32 length, bytes), a uint32 value size, the uris block (uint32 byte length,
+ * then per request a uint32 length and the UTF-8 uri) and the values block (each request's values
+ * one after another, value size bytes each).
+ *
+ * <p>The results frame back from Python is a record part, then any number of alike sections, one
+ * per stacked run: a uint32 count, the shared layout tail (as format 2 writes it: uint32 length,
+ * JSON), a uint32 row size, a uris block as above and the rows block. Each row is one result:
+ * its message is the format 2 header, the uri, the layout tail and the row, written here.
+ * cluster_serving/runtime/frames.py reads and writes the same layouts.
  */
 public final class BatchFrames {
     private static final int NO_URI = -1;
+    private static final byte[] V2_MAGIC = {'C', 'S', 'T', '2'};
+    // The magic and a uint16 uri length; then the uri, a uint32 layout length and the layout.
+    private static final int V2_URI_AT = 6;
 
     private BatchFrames() {}
 
-    /** The frame of a batch of Row(uri, payload, ...) requests of one route. */
-    public static byte[] encodeBatch(String model, String version, List<Row> records) {
-        return encode("B" + model + "\t" + version, records);
+    /**
+     * The frame of a batch of Row(uri, payload, ...) requests of one route: "A" when they are
+     * alike, each with a uri of at most `maxUriChars` and a payload of at most `maxInstanceBytes`
+     * (what Python would refuse goes the per-request way, "B", to get its error result there).
+     */
+    public static byte[] encodeBatch(String model, String version, List<Row> records, int maxUriChars,
+                                     long maxInstanceBytes) {
+        byte[] alike = encodeAlike("A" + model + "\t" + version, records, maxUriChars, maxInstanceBytes);
+        return alike != null ? alike : encode("B" + model + "\t" + version, records);
     }
 
     /** The control frame announcing a routing table. */
@@ -63,7 +85,70 @@ public final class BatchFrames {
         return frame.array();
     }
 
-    /** The Row(uri, payload) records of a results frame (no header). */
+    /** The frame of alike requests (see the class comment), or null when they are not alike. */
+    private static byte[] encodeAlike(String headerText, List<Row> records, int maxUriChars, long maxInstanceBytes) {
+        if (records.isEmpty()) {
+            return null;
+        }
+        byte[] first = payload(records.get(0));
+        int layoutAt = layoutAt(first);
+        if (layoutAt < 0) {
+            return null;
+        }
+        int layoutLength = ByteBuffer.wrap(first, layoutAt - 4, 4).order(ByteOrder.LITTLE_ENDIAN).getInt();
+        int valueSize = first.length - layoutAt - layoutLength;
+        if (layoutLength < 0 || valueSize < 0) {
+            return null;
+        }
+        byte[][] uris = new byte[records.size()][];
+        long urisBytes = 0;
+        for (int i = 0; i < records.size(); i++) {
+            Row record = records.get(i);
+            String uri = (String) record.getField(0);
+            byte[] value = payload(record);
+            if (uri == null || uri.isEmpty() || uri.length() > maxUriChars || value.length > maxInstanceBytes) {
+                return null;
+            }
+            byte[] key = uri.getBytes(StandardCharsets.UTF_8);
+            int at = layoutAt(value);
+            if (at != V2_URI_AT + 4 + key.length || value.length - at != first.length - layoutAt
+                || !Arrays.equals(value, V2_URI_AT, V2_URI_AT + key.length, key, 0, key.length)
+                || !Arrays.equals(value, at - 4, value.length - valueSize, first, layoutAt - 4, layoutAt + layoutLength)) {
+                return null;
+            }
+            uris[i] = key;
+            urisBytes += 4 + key.length;
+        }
+        byte[] header = headerText.getBytes(StandardCharsets.UTF_8);
+        long size = 4L + header.length + 12 + layoutLength + 4 + urisBytes + (long) records.size() * valueSize;
+        if (size > Integer.MAX_VALUE - 8) {
+            return null;
+        }
+        ByteBuffer frame = ByteBuffer.allocate((int) size).order(ByteOrder.LITTLE_ENDIAN);
+        frame.putInt(header.length).put(header).putInt(records.size());
+        frame.putInt(layoutLength).put(first, layoutAt, layoutLength).putInt(valueSize);
+        frame.putInt((int) urisBytes);
+        for (byte[] key : uris) {
+            frame.putInt(key.length).put(key);
+        }
+        for (Row record : records) {
+            byte[] value = payload(record);
+            frame.put(value, value.length - valueSize, valueSize);
+        }
+        return frame.array();
+    }
+
+    /** Where a format 2 message's layout starts (after its uint32 length), or -1 when it is not one. */
+    private static int layoutAt(byte[] value) {
+        if (value.length < V2_URI_AT + 4 || !Arrays.equals(value, 0, 4, V2_MAGIC, 0, 4)) {
+            return -1;
+        }
+        int uriLength = (value[4] & 0xff) | (value[5] & 0xff) << 8;
+        int at = V2_URI_AT + uriLength + 4;
+        return at <= value.length ? at : -1;
+    }
+
+    /** The Row(uri, payload) records of a results frame (no header): its records, then its alike sections. */
     public static List<Row> decode(byte[] bytes) {
         ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
         int count = frame.getInt();
@@ -79,7 +164,39 @@ public final class BatchFrames {
             frame.get(value);
             records.add(Row.of(uri, value));
         }
+        while (frame.hasRemaining()) {
+            decodeAlike(bytes, frame, records);
+        }
         return records;
+    }
+
+    /** One alike section of a results frame: each row becomes its uri's format 2 message. */
+    private static void decodeAlike(byte[] bytes, ByteBuffer frame, List<Row> records) {
+        int count = frame.getInt();
+        int tailAt = frame.position();
+        int tailLength = 4 + ByteBuffer.wrap(bytes, tailAt, 4).order(ByteOrder.LITTLE_ENDIAN).getInt();
+        frame.position(tailAt + tailLength);
+        int rowSize = frame.getInt();
+        int urisEnd = frame.getInt() + frame.position();
+        int rowAt = urisEnd;
+        for (int i = 0; i < count; i++) {
+            int uriLength = frame.getInt();
+            int uriAt = frame.position();
+            byte[] value = new byte[V2_URI_AT + uriLength + tailLength + rowSize];
+            System.arraycopy(V2_MAGIC, 0, value, 0, 4);
+            value[4] = (byte) uriLength;
+            value[5] = (byte) (uriLength >>> 8);
+            System.arraycopy(bytes, uriAt, value, V2_URI_AT, uriLength);
+            System.arraycopy(bytes, tailAt, value, V2_URI_AT + uriLength, tailLength);
+            System.arraycopy(bytes, rowAt, value, V2_URI_AT + uriLength + tailLength, rowSize);
+            records.add(Row.of(new String(bytes, uriAt, uriLength, StandardCharsets.UTF_8), value));
+            frame.position(uriAt + uriLength);
+            rowAt += rowSize;
+        }
+        if (frame.position() != urisEnd) {
+            throw new IllegalStateException("an alike section's uris end at byte " + frame.position() + ", not " + urisEnd);
+        }
+        frame.position(rowAt);
     }
 
     /** The payload (field 1) of a request or result row; none is an empty one. */

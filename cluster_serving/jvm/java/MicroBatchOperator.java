@@ -77,6 +77,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
 
     private final String tableText;
     private final long maxBatchBytes;
+    private final int maxUriChars;
+    private final long maxInstanceBytes;
     private transient RoutingTable table;
     private transient ListState<Row> checkpointed;
     private transient ListState<String> checkpointedTable;
@@ -86,11 +88,17 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private transient long requestsRead;
     private transient boolean idleCheckScheduled;
 
-    /** Fails (IllegalArgumentException) on a malformed table: the job's own table must be one. */
-    public MicroBatchOperator(String tableText, long maxBatchBytes) {
+    /**
+     * Fails (IllegalArgumentException) on a malformed table: the job's own table must be one.
+     * `maxUriChars` and `maxInstanceBytes`: the limits Python checks requests against, which a
+     * batch sent as alike requests (BatchFrames) must meet.
+     */
+    public MicroBatchOperator(String tableText, long maxBatchBytes, int maxUriChars, long maxInstanceBytes) {
         RoutingTable.parse(tableText);
         this.tableText = tableText;
         this.maxBatchBytes = maxBatchBytes;
+        this.maxUriChars = maxUriChars;
+        this.maxInstanceBytes = maxInstanceBytes;
     }
 
     @Override
@@ -264,7 +272,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     }
 
     private void emit(Route route, Batch batch) {
-        output.collect(new StreamRecord<>(BatchFrames.encodeBatch(route.model, route.version, batch.requests)));
+        output.collect(new StreamRecord<>(BatchFrames.encodeBatch(
+            route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes)));
     }
 
     /**
