@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, TopicPartition
 
 from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.config import KAFKA_RECORD_BYTES
@@ -53,9 +53,10 @@ def paced(count: int, rate: float) -> Iterator[int]:
 
 
 class ResultReader:
-    """Reads a result topic from its start and stamps when each uri's result arrived."""
+    """Reads a result topic from its start (or, `from_end`, from its end now) and stamps when each
+    uri's result arrived."""
 
-    def __init__(self, bootstrap_servers: str, topic: str):
+    def __init__(self, bootstrap_servers: str, topic: str, from_end: bool = False):
         self.consumer = Consumer({
             "bootstrap.servers": bootstrap_servers, "group.id": "cs-bench-reader", "enable.auto.commit": False,
             # As kafka-python reads by default, and as the bench read before it moved to librdkafka.
@@ -64,7 +65,8 @@ class ResultReader:
         self.partitions = topic_partitions(self.consumer, topic, METADATA_TIMEOUT_S)
         if not self.partitions:
             raise RuntimeError(f"the broker does not know the result topic {topic!r}")
-        self.consumer.assign([TopicPartition(topic, p.partition, OFFSET_BEGINNING) for p in self.partitions])
+        start = OFFSET_END if from_end else OFFSET_BEGINNING
+        self.consumer.assign([TopicPartition(topic, p.partition, start) for p in self.partitions])
         self.arrivals: dict[str, Arrival] = {}
         self.duplicates = 0
 

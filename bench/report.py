@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 from bench.baseline import CLIENTS as PLAIN_LOOP_CLIENTS
+from cluster_serving.ops.processes import process_group_members
 
 
 def latency_ms(values: list[float]) -> dict[str, float]:
@@ -43,6 +45,19 @@ def gpu_name() -> str | None:
     answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                             capture_output=True, text=True, check=False)
     return answer.stdout.strip().splitlines()[0] if answer.returncode == 0 and answer.stdout.strip() else None
+
+
+def group_cpu_seconds(group: int) -> float:
+    """CPU seconds (user and system) used so far by the live processes of a process group: the
+    embedded job's Python and its Flink JVM."""
+    seconds = 0.0
+    for pid in process_group_members(group):
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        seconds += times.user + times.system
+    return seconds
 
 
 def batch_stats(sizes: list[int], batch_size: int) -> dict[str, Any]:
@@ -144,6 +159,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,})")),
         row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
+        row("  job CPU per request, running (us)", lambda m: f"{m['job_cpu_us_per_request']:.1f}"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
         row("  its serving stage alone (req/s)", lambda m: (
             f"{m['serving_stage']:,.0f} ({m['ratios']['serving_stage_over_raw_ort_at_run_size']:#.3g} of raw ORT "
@@ -152,6 +168,10 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}, "
             f"mean batch {m['latency']['batches']['mean_batch']:.1f}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
+        row("job started again, paced: p99 per 10 s (ms)", lambda m: ", ".join(
+            f"{w['p99_ms']:.0f}" for w in m["first_minute"]["windows"]) if m["first_minute"] else "-"),
+        row("  the job's share", lambda m: ", ".join(
+            f"{w['job_share']['p99_ms']:.0f}" for w in m["first_minute"]["windows"]) if m["first_minute"] else "-"),
         row("HTTP requests", lambda m: m["http_protocol"]),
         *(row(f"HTTP, {plural(clients, 'client')}", lambda m, key=str(clients): (
             f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),

@@ -71,7 +71,7 @@ from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
 from bench.kafka_load import Arrival, ResultReader, paced, paced_sender
 from bench.models import BenchModel, bench_models
-from bench.report import batch_stats, json_safe, latency_ms, machine, plural, table, with_ratios
+from bench.report import batch_stats, group_cpu_seconds, json_safe, latency_ms, machine, plural, table, with_ratios
 from cluster_serving.client.queues import InputQueue, OutputQueue
 from cluster_serving.config import ConfigError, ServingConfig, defaults, load_config
 from cluster_serving.config.command_line import OneLineParser
@@ -100,6 +100,9 @@ LATENCY_LOAD = 0.5
 LATENCY_SECONDS = 10.0
 LATENCY_WARMUP_S = 30.0
 LATENCY_MIN_REQUESTS = 100
+# The restarted job's paced phase: its latency in windows of this length.
+FIRST_MINUTE_S = 60.0
+FIRST_MINUTE_WINDOW_S = 10.0
 DRAIN_TIMEOUT_S = 900.0
 DEFAULT_HIDDEN = 256
 # The two-model drain: the models of its repository (both the mlp) and its default backlog, half the
@@ -205,8 +208,10 @@ def no_results(server: ChildProcess, end: int) -> RuntimeError:
 
 
 def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
-                  samples: np.ndarray, uris: list[str]) -> tuple[float, bool]:
-    """(capacity, bound by the writer): the running job's drain rate. A second backlog goes on the
+                  samples: np.ndarray, uris: list[str]) -> tuple[float, bool, float]:
+    """(capacity, bound by the writer, microseconds of the job's CPU per request): the running
+    job's drain rate, and the CPU its processes (Python and the Flink JVM, all their threads) used
+    from the first write of the backlog to its last result. A second backlog goes on the
     input topic through enqueue_batch while the job serves, several times faster than it drains, and
     is timed like the first from the moment it is all written. The first drain, begun as the job
     starts, runs while the JVM's JIT compilers are at work: the mlp's was 47,923-66,561 req/s and
@@ -215,7 +220,7 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     written, what is left is too short to time: the figure is then the whole backlog over the time
     from its first write to its last result, a lower bound set by the writer."""
     progress(model.name, f"a second backlog of {len(uris)} requests, written while the job runs ...")
-    before, started = reader.written(), time.perf_counter()
+    before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
     enqueue_batch_all(config, uris, model.input_name, samples)
     written = reader.written()
     end = before + len(uris)
@@ -223,10 +228,12 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
         rate = reader.drain_rate(written, end, lambda: job.running, DRAIN_TIMEOUT_S)
         if math.isnan(rate):
             raise no_results(job, end)
+        cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
         reader.read_until(uris, timeout=300)
-        return rate, False
+        return rate, False, cpu_us
+    cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
     reader.read_until(uris, timeout=300)
-    return len(uris) / (time.perf_counter() - started), True
+    return len(uris) / (time.perf_counter() - started), True, cpu_us
 
 
 def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarray | list, uris: list[str],
@@ -307,7 +314,7 @@ def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
 
 
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
-                  rate: float, warmup: list[str], uris: list[str]) -> dict[str, Any]:
+                  rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0) -> dict[str, Any]:
     """Send -> result read of requests sent at `rate` to the running job (`warmup` first, untimed),
     and the job's share of it: the request's append to the input topic -> its result's append to
     the result topic, both stamped by the broker, so the sender's and the reader's time (clients
@@ -335,10 +342,33 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     appended = {record.key.decode(): record.timestamp
                 for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
+    windows = [uris[start:start + max(1, round(rate * window_s))] for start in range(0, len(uris), max(1, round(rate * window_s)))] if window_s else []
     return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup),
+            "windows": [{**latency_ms([(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in window if uri in reader.arrivals]),
+                         "job_share": latency_ms([reader.arrivals[uri].appended_ms - appended[uri] for uri in window
+                                                  if uri in reader.arrivals and uri in appended])} for window in windows],
             **latency_ms(latencies), "job_share": latency_ms(in_job),
             "batches": batch_stats([reader.arrivals[uri].batch_size or 0 for uri in uris if uri in reader.arrivals],
                                    config.batching.batch_size)}
+
+
+def first_minute(config: ServingConfig, model: BenchModel, samples: np.ndarray, rate: float, folder: Path,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """The job started again (a new JVM, resuming from the last one's final savepoint) and paced at
+    `rate` from the moment its tasks run, for --first-minute-seconds: latency per FIRST_MINUTE_WINDOW_S,
+    what users see of JIT compilation, class loading and the first checkpoints after a restart."""
+    uris = [f"restart-{i}" for i in range(round(rate * args.first_minute_seconds))]
+    progress(model.name, f"the job started again, paced at {rate:,.0f} req/s from its start for "
+                         f"{args.first_minute_seconds:g} s ...")
+    reader = ResultReader(config.kafka.bootstrap_servers, config.kafka.result_topic, from_end=True)
+    job = EmbeddedJob(config.source, config.flink.rest_port, folder / f"job-restarted-{model.name}.log")
+    try:
+        job.start()
+        figures = paced_latency(config, reader, model, samples, rate, [], uris, FIRST_MINUTE_WINDOW_S)
+        return {**figures, "missing": sum(uri not in reader.arrivals for uri in uris)}
+    finally:
+        job.stop()
+        reader.close()
 
 
 def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, run_batch_size: int = 0,
@@ -390,7 +420,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         progress(model.name, "OutputQueue.dequeue reading the results ...")
         dequeued = dequeue_rate(config, len(warmup) + len(backlog))
         running = [f"running-{i}" for i in range(len(backlog))]
-        capacity, writer_bound = running_drain(config, reader, job, model, samples, running)
+        capacity, writer_bound, cpu_us = running_drain(config, reader, job, model, samples, running)
         progress(model.name, "raw ONNX Runtime (2 of 3) ...")
         raw.append(raw_rates(session, raw_sizes))
         rate = args.rate or LATENCY_LOAD * capacity
@@ -402,6 +432,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     finally:
         job.stop()
         reader.close()
+    restarted = first_minute(config, model, samples, rate, folder, args) if args.first_minute_seconds else None
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in running if uri in arrivals]
     return {
@@ -417,11 +448,14 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "capacity": capacity,
         "capacity_bound_by_writer": writer_bound,
         "capacity_at_start": capacity_at_start,
+        "job_cpu_us_per_request": cpu_us,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
         "batches": batch_stats(sizes, args.batch_size),
         "latency": latency,
+        "first_minute": restarted,
         "http": served,
-        "missing": sum(uri not in arrivals for uri in warmup + backlog + running + paced_warmup + paced),
+        "missing": sum(uri not in arrivals for uri in warmup + backlog + running + paced_warmup + paced)
+        + (restarted["missing"] if restarted else 0),
         "errors": sum(arrival.error for arrival in arrivals.values()),
     }
 
@@ -524,6 +558,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                     "absorb the start and the JIT's first minute)")
     parser.add_argument("--latency-seconds", type=float, default=LATENCY_SECONDS,
                         help=f"length of the paced phase, after {LATENCY_WARMUP_S:g} s at its rate untimed")
+    parser.add_argument("--first-minute-seconds", type=float, default=FIRST_MINUTE_S,
+                        help="length of the paced phase of the job started again, timed from its start "
+                             f"(latency per {FIRST_MINUTE_WINDOW_S:g} s; 0: none)")
     parser.add_argument("--rate", type=float, help="requests per second of the paced phase "
                                                    "(default: half the capacity measured in this run)")
     parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")

@@ -33,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 from bench.images import image_settings, photo_jpeg
 from cluster_serving.config import ServingConfig, load_config
-from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
+from cluster_serving.runtime.frames import read_result_frame, write_alike_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime import rewrites
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
@@ -176,7 +176,7 @@ def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch
     server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
     served, version = server.servables.resolve("", "")
     session = served.models[version].session
-    frame = write_batch_frame("", "", records)
+    frame = write_alike_frame("", "", records) or write_batch_frame("", "", records)  # as the JVM batches them
     results = [decode_message(bytes(payload), 64 << 20) for _, payload in read_result_frame(server.serve_frame(frame))]
     errors = [result.error for result in results if result.error]
     if len(results) != batch or errors:

@@ -11,7 +11,7 @@ import pytest
 from cluster_serving.config import load_config
 from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 from cluster_serving.runtime.decode import decode_frame
-from cluster_serving.runtime.frames import ALIKE, BATCH, read_frame, read_result_frame, write_batch_frame, write_control_frame
+from cluster_serving.runtime.frames import ALIKE, BATCH, read_frame, read_result_frame, write_alike_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.wire.codec import MAX_URI_CHARS, Message, decode_message, encode_message
@@ -64,6 +64,7 @@ def test_alike_requests_cross_as_one_block(jvm) -> None:
     records = requests(5)
     frame = read_frame(jvm_frame(jvm, records, route=("m", "2")))
     assert (frame.kind, frame.model, frame.version, frame.records) == (ALIKE, "m", "2", [])
+    assert write_alike_frame("m", "2", records) == jvm_frame(jvm, records, route=("m", "2"))  # tests' and tools' copy
     assert list(frame.alike.uris) == [uri for uri, _ in records]
     batch = decode_frame(jvm_frame(jvm, records), load_config().limits)
     assert batch.size == 5 and not batch.instances and not batch.rejected
@@ -96,6 +97,8 @@ def test_what_the_jvm_cannot_vouch_for_goes_request_by_request(jvm, change: str)
         records[1] = (long_uri, b"CST2" + len(long_uri).to_bytes(2, "little") + long_uri.encode() + payload[at:])
     frame = jvm_frame(jvm, records, len(records[0][1]) - 1 if change == "over the instance limit" else MAX_INSTANCE_BYTES)
     assert read_frame(frame).kind == BATCH
+    if change not in ("over the instance limit", "over-long uri"):  # limits the JVM alone checks
+        assert write_alike_frame("", "", records) is None
 
 
 @pytest.fixture(scope="module")

@@ -229,6 +229,30 @@ def write_batch_frame(model: str, version: str, records: Iterable[tuple[str | No
     return _with_header("B" + model + "\t" + version, records)
 
 
+def write_alike_frame(model: str, version: str, records: list[tuple[str | None, bytes]]) -> bytes | None:
+    """The frame the JVM writes of alike requests (format 2 messages of one layout, each under its
+    uri), or None when they are not alike (for tests and tools; the job reads these, never writes them)."""
+    parts, values, layout = [], [], None
+    for uri, payload in records:
+        key = (uri or "").encode()
+        at = 6 + len(key)
+        if not key or payload[:6] != b"CST2" + len(key).to_bytes(2, "little") or payload[6:at] != key:
+            return None
+        end = at + 4 + _U32.unpack_from(payload, at)[0]
+        if layout is None:
+            layout, value_size = payload[at:end], len(payload) - end
+        if payload[at:end] != layout or len(payload) - end != value_size:
+            return None
+        parts += (_U32.pack(len(key)), key)
+        values.append(payload[end:])
+    if layout is None:
+        return None
+    header = ("A" + model + "\t" + version).encode()
+    uris = b"".join(parts)
+    return b"".join([_U32.pack(len(header)), header, _U32.pack(len(records)), layout, _U32.pack(value_size),
+                     _U32.pack(len(uris)), uris, *values])
+
+
 def write_control_frame(table: str) -> bytes:
     """A control frame as the JVM writes it (for tests and tools)."""
     return _with_header("C" + table, ())
