@@ -53,6 +53,11 @@ def count_results(config: ServingConfig, isolation_level: str) -> int:
 # Requests per second the clients send: the job serves tens of thousands a second, so an unpaced
 # stream of 10,000 was all answered before a kill at a third of them could land.
 SEND_RATE = 2000
+# Requests sent together. A kill that lands after a checkpoint's barrier, before any result was
+# written behind it, aborts nothing (restoring commits the checkpoint's transaction): with the job
+# answering each step within milliseconds, steps of 100 (every 50 ms) left that window open
+# often enough to fail a CI run; steps of 10 leave 5 ms.
+SEND_STEP = 10
 
 
 def send(config: ServingConfig, features: np.ndarray, first: int = 0, rate: float = SEND_RATE) -> Future[int]:
@@ -61,7 +66,7 @@ def send(config: ServingConfig, features: np.ndarray, first: int = 0, rate: floa
     def paced() -> Iterator[tuple[str, dict]]:
         started = time.monotonic()
         for i, row in enumerate(features):
-            if i % 100 == 0:
+            if i % SEND_STEP == 0:
                 time.sleep(max(0.0, started + i / rate - time.monotonic()))
             yield f"req-{first + i}", {"features": row}
 

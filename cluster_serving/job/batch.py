@@ -50,7 +50,7 @@ def micro_batches(requests: DataStream, table_text: str, max_instance_bytes: int
 
 
 def split_results(frames: DataStream, result_type: Types) -> DataStream:
-    """One frame of results per batch -> one Row(uri, payload) per result, for the Kafka sink."""
+    """One frame of results per batch -> one Row(key, value) of bytes per result, for the Kafka sink."""
     helper = get_gateway().jvm.clusterserving.flink
     return DataStream(frames._j_data_stream.flatMap(helper.SplitResults(), result_type.get_java_type_info()))
 

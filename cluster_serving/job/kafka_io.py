@@ -4,7 +4,7 @@
 Requests arrive as Row(uri, payload, model, version, control) (job.batch.REQUEST_ROW): the Kafka key
 is the uri, the value a codec message, the `model` and `version` headers name what serves it, and a
 `cluster-serving-control` header marks a routing table (cluster_serving/job/repository_watch.py). Results leave as
-Row(uri, payload). PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
+Row(key, value) of bytes. PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
 the key, so two small Java classes (cluster_serving/jvm/java, compiled into the helper jar) do that.
 """
 
@@ -24,8 +24,8 @@ from pyflink.java_gateway import get_gateway
 from cluster_serving.config import KAFKA_RECORD_BYTES, KafkaConfig
 from cluster_serving.kafka.connection import KafkaConnection
 
-# Row(uri, payload): the results' element type.
-KEYED_BYTES = Types.ROW_NAMED(["uri", "payload"], [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE())])
+# Row(key, value): the results' element type, the Kafka record's bytes (the key the uri's UTF-8).
+KEYED_BYTES = Types.ROW_NAMED(["key", "value"], [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.PRIMITIVE_ARRAY(Types.BYTE())])
 
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).
 # Fetches of up to 8 MiB per partition: the default 1 MiB holds 21 requests of 48 KiB, and the
@@ -84,7 +84,7 @@ def drop_committer_gauge_warning() -> None:
 
 
 def result_sink(kafka: KafkaConfig) -> KafkaSink:
-    """Writes Row(uri, payload) to the result topic with key = uri, at least once, or exactly once
+    """Writes Row(key, value) to the result topic, at least once, or exactly once
     in transactions committed with each checkpoint (kafka.delivery)."""
     jvm = get_gateway().jvm
     schema = (

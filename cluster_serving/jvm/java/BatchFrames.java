@@ -148,21 +148,24 @@ public final class BatchFrames {
         return at <= value.length ? at : -1;
     }
 
-    /** The Row(uri, payload) records of a results frame (no header): its records, then its alike sections. */
+    /**
+     * The Row(key, value) records of a results frame (no header), both as bytes, the key the
+     * uri's UTF-8: its records, then its alike sections.
+     */
     public static List<Row> decode(byte[] bytes) {
         ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
         int count = frame.getInt();
         List<Row> records = new ArrayList<>(count);
         for (int i = 0; i < count; i++) {
             int uriLength = frame.getInt();
-            String uri = null;
+            byte[] key = null;
             if (uriLength != NO_URI) {
-                uri = new String(bytes, frame.position(), uriLength, StandardCharsets.UTF_8);
-                frame.position(frame.position() + uriLength);
+                key = new byte[uriLength];
+                frame.get(key);
             }
             byte[] value = new byte[frame.getInt()];
             frame.get(value);
-            records.add(Row.of(uri, value));
+            records.add(Row.of(key, value));
         }
         while (frame.hasRemaining()) {
             decodeAlike(bytes, frame, records);
@@ -189,7 +192,7 @@ public final class BatchFrames {
             System.arraycopy(bytes, uriAt, value, V2_URI_AT, uriLength);
             System.arraycopy(bytes, tailAt, value, V2_URI_AT + uriLength, tailLength);
             System.arraycopy(bytes, rowAt, value, V2_URI_AT + uriLength + tailLength, rowSize);
-            records.add(Row.of(new String(bytes, uriAt, uriLength, StandardCharsets.UTF_8), value));
+            records.add(Row.of(Arrays.copyOfRange(bytes, uriAt, uriAt + uriLength), value));
             frame.position(uriAt + uriLength);
             rowAt += rowSize;
         }

@@ -1,12 +1,11 @@
 package clusterserving.flink;
 
-import java.nio.charset.StandardCharsets;
 import org.apache.flink.api.common.serialization.SerializationSchema;
 import org.apache.flink.types.Row;
 
 /**
- * Writes one field of a Row as raw bytes, so the Kafka sink can take the record key (the uri)
- * and the value (the encoded result) from two fields of the same element. PyFlink offers no
+ * Writes one byte[] field of a Row as it is, so the Kafka sink can take the record key and the
+ * value from two fields of the same element (SplitResults' Row(key, value)). PyFlink offers no
  * built-in schema for this.
  */
 public final class RowFieldSerializationSchema implements SerializationSchema<Row> {
@@ -19,10 +18,6 @@ public final class RowFieldSerializationSchema implements SerializationSchema<Ro
 
     @Override
     public byte[] serialize(Row row) {
-        Object value = row.getField(field);
-        if (value instanceof String) {
-            return ((String) value).getBytes(StandardCharsets.UTF_8);
-        }
-        return (byte[]) value;
+        return (byte[]) row.getField(field);
     }
 }

@@ -4,7 +4,7 @@ import org.apache.flink.api.common.functions.FlatMapFunction;
 import org.apache.flink.types.Row;
 import org.apache.flink.util.Collector;
 
-/** Splits the Python operator's frame of results (BatchFrames) into one Row(uri, payload) per result. */
+/** Splits the Python operator's frame of results (BatchFrames) into one Row(key, value) of bytes per result. */
 public final class SplitResults implements FlatMapFunction<byte[], Row> {
     private static final long serialVersionUID = 1L;
 
