@@ -157,7 +157,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         *(row(f"plain loop on {client}, raw bytes (req/s)", lambda m, client=client: f"{m['plain_loop'][client]:,.0f}")
           for client in PLAIN_LOOP_CLIENTS),
         row("job capacity, running (req/s)", lambda m: (
-            f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,})")),
+            f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
+            f"the drains before it: {earlier_drains(m)})")),
         row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
         row("  job CPU per request, running (us)", lambda m: f"{m['job_cpu_us_per_request']:.1f}"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
@@ -188,6 +189,12 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("missing / error results, non-200", lambda m: (
             f"{m['missing']} / {m['errors']}, {sum(h['failures'] for h in m['http'].values())}")),
     ]
+
+
+def earlier_drains(model: dict[str, Any]) -> str:
+    """The running job's drains before the one its capacity is."""
+    rates = [f"{drain['capacity']:,.0f}" for drain in model["running_drains"][:-1]]
+    return ", ".join(rates) or "none"
 
 
 def plural(count: int, noun: str) -> str:
