@@ -122,7 +122,9 @@ def run_outage(tmp_path: Path, own_broker: OwnBroker, start_job, delivery: str, 
                             flink={"checkpoint_interval_ms": 1000})
     config = load_config(path)
     start_job(path, config)
-    inputs = InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic)
+    # Idempotent, so that a request librdkafka sends again after the broker died is kept once: a
+    # request there twice (it happened once) would have two results, neither of them the job's fault.
+    inputs = InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic, enable_idempotence=True)
     outputs = OutputQueue(config.kafka.bootstrap_servers, config.kafka.result_topic, group_id="outage-client")
     seen: dict[str, float] = {}
     with inputs, outputs:

@@ -82,10 +82,6 @@ class PredictError(RuntimeError):
 # The settings' names are Kafka's; the user's keywords come after them.
 PRODUCER_SETTINGS = {
     "acks": "all",
-    # A request whose acknowledgement a dying broker never sent is sent again; the broker keeps one
-    # copy, not two (without it, a broker SIGKILLed under load once left a request, and so its
-    # result, twice in an exactly-once test).
-    "enable.idempotence": True,
     "linger.ms": 1,
     "message.max.bytes": KAFKA_RECORD_BYTES,
     # Kafka's own producers give a record up after 2 minutes (delivery.timeout.ms); librdkafka's

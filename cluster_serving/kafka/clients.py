@@ -61,8 +61,6 @@ class RequestProducer:
         self._producer: Producer = client_or_config_error(lambda: Producer(librdkafka_settings(
             kafka, **{
                 "acks": "all", "linger.ms": 1,
-                # A record sent again after a broker failed keeps one copy (client/queues.py's too).
-                "enable.idempotence": True,
                 # librdkafka's 1 MB default would refuse large instances before the job could.
                 "message.max.bytes": KAFKA_RECORD_BYTES,
                 # A record not written when its request times out is given up with it (librdkafka
