@@ -9,8 +9,7 @@ from typing import Iterator
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.runtime.frames import AlikeResults, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
-from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, encode_message, encode_rows, stacked_rows
-from cluster_serving.wire.v2 import carries
+from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, carries, encode_message, encode_rows, stacked_rows
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from cluster_serving.wire.v2 import message_from_parts
+from cluster_serving.wire.codec import message_from_parts
 
 _U32 = struct.Struct("<I")
 NO_URI = 0xFFFFFFFF
