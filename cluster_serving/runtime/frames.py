@@ -164,6 +164,14 @@ def _read_alike(frame: bytes, view: memoryview, at: int) -> AlikeRecords:
 
 
 def _read_records(frame: bytes, view: memoryview, at: int) -> list[Record]:
+    records, at = _records_from(frame, view, at)
+    if at != len(frame):
+        raise FrameError(f"a frame of {len(records)} records ends at byte {at}, not {len(frame)}")
+    return records
+
+
+def _records_from(frame: bytes, view: memoryview, at: int) -> tuple[list[Record], int]:
+    """The record part that starts at `at`, and where it ends."""
     (count,) = _U32.unpack_from(frame, at)
     at, size = at + 4, len(frame)
     records = []
@@ -182,9 +190,7 @@ def _read_records(frame: bytes, view: memoryview, at: int) -> list[Record]:
             raise FrameError(f"a payload of {length} bytes at byte {at} runs past a frame of {size}")
         records.append((uri, view[at:at + length]))
         at += length
-    if at != size:
-        raise FrameError(f"a frame of {count} records ends at byte {at}, not {size}")
-    return records
+    return records, at
 
 
 def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = ()) -> bytes:
@@ -204,12 +210,7 @@ def read_result_frame(frame: bytes) -> list[Record]:
     """The (uri, result payload) records of a results frame, its alike sections' rows made
     messages as the JVM makes them (for tests and tools; the JVM splits these into Kafka records)."""
     view = memoryview(frame)
-    (count,) = _U32.unpack_from(frame, 0)
-    at = 4
-    for _ in range(count):
-        at += 4 + _U32.unpack_from(frame, at)[0]
-        at += 4 + _U32.unpack_from(frame, at)[0]
-    records = _read_records(frame[:at], memoryview(frame[:at]), 0)
+    records, at = _records_from(frame, view, 0)
     while at < len(frame):
         (count,) = _U32.unpack_from(frame, at)
         tail = bytes(view[at + 4:at + 8 + _U32.unpack_from(frame, at + 4)[0]])
