@@ -27,7 +27,7 @@ class FailOnceServeBatch(ServeBatch):
         self.marker = marker
         self.batches = 0
 
-    def map(self, value: DecodedBatch) -> list[Outcome]:
+    def map(self, value: DecodedBatch) -> tuple[DecodedBatch, list[Outcome]]:
         if value.table is not None:  # a routing table, not a batch
             return super().map(value)
         self.batches += 1

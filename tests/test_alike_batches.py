@@ -50,9 +50,9 @@ def jvm_frame(gateway, records: list[tuple[str | None, bytes]], max_instance_byt
 
 
 def jvm_split(gateway, results: bytes) -> list[tuple[str, bytes]]:
-    """The Kafka records the JVM makes of a results frame."""
+    """The result records the JVM makes of a results frame (not its dead letters)."""
     rows = gateway.jvm.clusterserving.flink.BatchFrames.decode(bytearray(results))
-    return [(bytes(row.getField(0)).decode(), bytes(row.getField(1))) for row in rows]
+    return [(bytes(row.getField(0)).decode(), bytes(row.getField(1))) for row in rows if row.getField(2) is None]
 
 
 def requests(count: int, seed: int = 0, dtype=np.float32, shape=(FEATURES,)) -> list[tuple[str, bytes]]:

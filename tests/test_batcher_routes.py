@@ -16,13 +16,18 @@ from cluster_serving.runtime.frames import (
     NO_URI,
     Frame,
     FrameError,
+    Source,
     read_frame,
+    read_headers,
     write_batch_frame,
     write_control_frame,
     write_frame,
+    write_headers,
 )
 
 U32 = struct.Struct("<I")
+# The source of a request read from an unknown place, without headers (frames.py's sources block).
+UNKNOWN_SOURCE = struct.pack("<iqI", -1, -1, NO_URI)
 
 
 def table(generation: int, default: str, *entries: tuple[str, int, int, str]) -> str:
@@ -30,10 +35,11 @@ def table(generation: int, default: str, *entries: tuple[str, int, int, str]) ->
     return "\n".join(lines)
 
 
-def by_hand(header: bytes, records: list[tuple[bytes | None, bytes]]) -> bytes:
+def by_hand(header: bytes, records: list[tuple[bytes | None, bytes]], sources: bytes | None = None) -> bytes:
     parts = [U32.pack(len(header)), header, U32.pack(len(records))]
     for uri, payload in records:
         parts += [U32.pack(NO_URI) if uri is None else U32.pack(len(uri)) + uri, U32.pack(len(payload)), payload]
+    parts.append(UNKNOWN_SOURCE * len(records) if sources is None else sources)
     return b"".join(parts)
 
 
@@ -71,7 +77,20 @@ def test_python_writers_match_the_layout() -> None:
     records = [("u", b"p"), (None, b"")]
     assert write_batch_frame("m", "2", records) == by_hand(b"Bm\t2", [(b"u", b"p"), (None, b"")])
     assert write_control_frame("1\ta\na\t1\t0\t") == by_hand(b"C1\ta\na\t1\t0\t", [])
-    assert write_frame([("u", b"p")]) == by_hand(b"", [(b"u", b"p")])[4:]  # results: no header
+    # Results: no header, no sources, the dead letters' count.
+    assert write_frame([("u", b"p")]) == by_hand(b"", [(b"u", b"p")], sources=b"")[4:] + U32.pack(0)
+
+
+def test_sources_and_their_headers() -> None:
+    block = write_headers([("deadline-ms", b"123"), ("trace", None), ("ü", b"")])
+    assert block == (U32.pack(3) + U32.pack(11) + b"deadline-ms" + U32.pack(3) + b"123" + U32.pack(5) + b"trace"
+                     + U32.pack(NO_URI) + U32.pack(2) + "ü".encode() + U32.pack(0))
+    assert read_headers(block) == [("deadline-ms", b"123"), ("trace", None), ("ü", b"")]
+    sources = struct.pack("<iqI", 3, 2**40, len(block)) + block + UNKNOWN_SOURCE
+    frame = read_frame(by_hand(b"Bm\t", [(b"a", b"1"), (None, b"")], sources))
+    assert frame.sources == [Source(3, 2**40, block), Source()]
+    assert write_batch_frame("m", "", [("a", b"1"), (None, b"")], [Source(3, 2**40, block), Source()]) == by_hand(
+        b"Bm\t", [(b"a", b"1"), (None, b"")], sources)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +104,8 @@ def test_python_writers_match_the_layout() -> None:
         by_hand(b"Bmodel", []),  # batch header without a tab
         by_hand(b"C1\ta", [(b"u", b"p")]),  # control frame with records
         by_hand(b"B\xff\t", []),  # header not UTF-8
-        by_hand(b"B\t", [(b"u", b"p")])[:-1],  # payload cut short
+        by_hand(b"B\t", [(b"u", b"p")])[:-1],  # source cut short
+        by_hand(b"B\t", [(b"u", b"p")], b""),  # no sources
         by_hand(b"B\t", [(b"u", b"p")]) + b"!",  # trailing bytes
         by_hand(b"B\t", [])[:-4] + U32.pack(1) + U32.pack(99) + b"u",  # uri past the end
     ],
@@ -194,11 +214,13 @@ def test_batches_per_route_and_control_records(env) -> None:
     first = table(100, "a", ("a", 2, 60000, "1"), ("b", 3, 60000, "1"), ("c", 1, 60000, "1"), ("d", 9, 60000, "1"))
     second = table(200, "a", ("a", 1, 0, "1,2"), ("b", 3, 60000, "1"))
 
+    offsets = iter(range(1000))
+
     def request(uri, model, version=None, payload=b"x"):
-        return Row(uri, payload, model, version, False)
+        return Row(uri, payload, model, version, False, 2, next(offsets), b"headers of " + (uri or "-").encode())
 
     def control(text: str | bytes):
-        return Row(None, text if isinstance(text, bytes) else text.encode(), None, None, True)
+        return Row(None, text if isinstance(text, bytes) else text.encode(), None, None, True, 0, next(offsets), None)
 
     rows = [
         request("a1", "a"),
@@ -221,10 +243,11 @@ def test_batches_per_route_and_control_records(env) -> None:
     ]
     requests = env.from_collection(rows, type_info=REQUEST_ROW)
     frames = micro_batches(requests, first, 1 << 20, max_batch_bytes=1000)
-    seen = []
+    seen, sources = [], {}
     with frames.execute_and_collect("batcher-routes") as results:
         for frame in results:
             parsed = read_frame(bytes(b & 0xFF for b in frame))  # Java byte[]: signed ints
+            sources.update(zip((uri for uri, _ in parsed.records), parsed.sources))
             seen.append(
                 ("C", parsed.table) if parsed.is_control
                 else (parsed.model, parsed.version, [uri for uri, _ in parsed.records])
@@ -243,6 +266,7 @@ def test_batches_per_route_and_control_records(env) -> None:
         ("b", "", ["b3"]),
         ("b", "1", ["b4"]),
     ]
+    assert sources == {row[0]: Source(2, row[6], row[7]) for row in rows if not row[4]}
 
 
 def test_python_table_text_parses_in_the_jvm(jvm) -> None:

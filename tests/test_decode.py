@@ -41,7 +41,7 @@ def test_an_unexpected_exception_preparing_one_record_is_its_error_result(
     with caplog.at_level(logging.WARNING, logger="cluster_serving.runtime"):
         batch, dropped = decode_records(records(), LIMITS)
         ready, rejected = prepare_instances(batch.instances, {}, LIMITS)
-    assert [message.uri for message in ready] == ["a", "b"] and dropped == 0
+    assert [message.uri for message in ready] == ["a", "b"] and dropped == []
     assert ready[1].tensors["x"].tolist() == [2.0, 2.0, 2.0]
     assert [(message.uri, message.error) for message in rejected] == [
         ("boom", "invalid input: RuntimeError: a bug in preprocessing")
@@ -64,7 +64,7 @@ def test_an_unexpected_exception_reading_one_record_is_its_error_result(monkeypa
     assert [message.uri for message in batch.instances] == ["a", "b"]
     assert [(message.uri, message.error, message.error_code) for message in batch.rejected] == [
         ("boom", "bad request: KeyError: 'cs.uri'", "bad_request")]
-    assert dropped == 1
+    assert dropped == [(3, "KeyError: 'cs.uri'")]
 
 
 def test_each_unreadable_record_says_why_by_its_code_too() -> None:

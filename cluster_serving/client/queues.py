@@ -180,16 +180,19 @@ class InputQueue:
             bootstrap_servers, topic, job_group_id, keyword_settings(kafka))) if max_lag and not sync else None
         self._lag_checked = (-1.0, 0)  # (when, lag)
 
-    def enqueue(self, uri: str, model: str | None = None, version: int | None = None, **data: Any) -> None:
+    def enqueue(self, uri: str, model: str | None = None, version: int | None = None, timeout: float | None = None,
+                **data: Any) -> None:
         """Queues one request; returns once it is handed to the producer (call flush() to wait).
         Each other keyword is one input: a list of str, an image {'path'|'b64': ...}, an ndarray,
         or a sparse tensor [indices, values, shape].
 
         `model` names the model of the repository that serves it (None: the default one) and
         `version` its version (None: the newest one served); a bad name or version raises
-        ValueError before anything is sent. `model` and `version` are therefore reserved keyword
-        names here: send inputs called that way with enqueue_batch([(uri, {"model": ...})])."""
-        headers = request_headers(model, version)
+        ValueError before anything is sent. `timeout` (seconds) gives the request a deadline: one
+        whose batch forms after it is answered `deadline_exceeded` without running the model.
+        `model`, `version` and `timeout` are therefore reserved keyword names here: send inputs
+        called that way with enqueue_batch([(uri, {"model": ...})])."""
+        headers = request_headers(model, version, timeout)
         self._check_not_sync()
         self._send(uri, encode_request(uri, data), headers)
 
@@ -199,16 +202,20 @@ class InputQueue:
         progress: bool = False,
         model: str | None = None,
         version: int | None = None,
+        timeout: float | None = None,
     ) -> int:
         """Queues many (uri, inputs) requests with one flush at the end; returns how many. With
         `progress`, prints how many are queued every second and at the end (to stderr). `model`
         and `version` (see enqueue) apply to every request; inputs may have any names here,
-        `model` and `version` included."""
-        headers = request_headers(model, version)
+        `model` and `version` included. `timeout` (see enqueue) counts from when each request is
+        queued."""
+        headers = request_headers(model, version, timeout)
         self._check_not_sync()
         count, started, shown = 0, time.monotonic(), time.monotonic()
         pending = iter(requests)
         while chunk := list(itertools.islice(pending, ENCODE_TOGETHER)):
+            if timeout is not None:
+                headers = request_headers(model, version, timeout)
             payloads = encode_alike_requests(chunk)
             for i, (uri, data) in enumerate(chunk):
                 self._send(uri, encode_request(uri, data) if payloads is None else payloads[i], headers)

@@ -108,6 +108,8 @@ class KafkaConfig(_Section):
     bootstrap_servers: Text
     input_topic: Text
     result_topic: Text
+    # None: <input_topic>.dlq; "": no dead letters.
+    dead_letter_topic: Annotated[str, StringConstraints(strict=True, strip_whitespace=True)] | None = None
     group_id: Text
     partitions: StrictInt = Field(ge=1)
     delivery: Literal["at_least_once", "exactly_once"] = "at_least_once"
@@ -117,6 +119,13 @@ class KafkaConfig(_Section):
     @property
     def exactly_once(self) -> bool:
         return self.delivery == "exactly_once"
+
+    @property
+    def dead_letters(self) -> str | None:
+        """The dead-letter topic, or None when dead letters are off."""
+        if self.dead_letter_topic is None:
+            return f"{self.input_topic}.dlq"
+        return self.dead_letter_topic or None
 
     @property
     def transactional_id_prefix(self) -> str:

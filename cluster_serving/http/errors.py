@@ -81,6 +81,7 @@ RESULT_ERRORS: dict[str | None, type[BridgeError]] = {
     "preprocess_failed": InvalidRequest,  # the servable's own check of the request's values
     "inference_failed": InferenceFailed,
     "postprocess_failed": InferenceFailed,
+    "deadline_exceeded": Timeout,
     "internal": InferenceFailed,
 }
 

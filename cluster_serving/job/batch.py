@@ -27,11 +27,13 @@ from cluster_serving.wire.codec import MAX_URI_CHARS
 MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
 FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
 # What the Kafka source emits (KeyValueDeserializationSchema.java): the key as the uri, the value,
-# the `model` and `version` headers (None when absent or empty), and whether it is a control record
-# (header `cluster-serving-control`; its payload is a routing table's text, its uri None).
+# the `model` and `version` headers (None when absent or empty), whether it is a control record
+# (header `cluster-serving-control`; its payload is a routing table's text, its uri None), where it
+# was read, and its other headers as a header block (None when none; cluster_serving/runtime/frames.py).
 REQUEST_ROW = Types.ROW_NAMED(
-    ["uri", "payload", "model", "version", "control"],
-    [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.STRING(), Types.BOOLEAN()],
+    ["uri", "payload", "model", "version", "control", "partition", "offset", "headers"],
+    [Types.STRING(), Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.STRING(), Types.STRING(), Types.BOOLEAN(),
+     Types.INT(), Types.LONG(), Types.PRIMITIVE_ARRAY(Types.BYTE())],
 )
 
 
@@ -50,7 +52,8 @@ def micro_batches(requests: DataStream, table_text: str, max_instance_bytes: int
 
 
 def split_results(frames: DataStream, result_type: Types) -> DataStream:
-    """One frame of results per batch -> one Row(key, value) of bytes per result, for the Kafka sink."""
+    """One frame of results per batch -> one Row(key, value, headers) of bytes per result or dead
+    letter, for the Kafka sink."""
     helper = get_gateway().jvm.clusterserving.flink
     return DataStream(frames._j_data_stream.flatMap(helper.SplitResults(), result_type.get_java_type_info()))
 

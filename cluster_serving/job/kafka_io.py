@@ -1,11 +1,13 @@
 """Kafka wiring of the Flink job: the request source and the result sink (not named kafka.py: under
 `flink run -py cluster_serving/job/main.py` this folder comes first on the path and would hide kafka-python).
 
-Requests arrive as Row(uri, payload, model, version, control) (job.batch.REQUEST_ROW): the Kafka key
-is the uri, the value a codec message, the `model` and `version` headers name what serves it, and a
-`cluster-serving-control` header marks a routing table (cluster_serving/job/repository_watch.py). Results leave as
-Row(key, value) of bytes. PyFlink (2.2) has no schema that reads keys and headers or writes a Row field as
-the key, so two small Java classes (cluster_serving/jvm/java, compiled into the helper jar) do that.
+Requests arrive as Row(uri, payload, model, version, control, partition, offset, headers)
+(job.batch.REQUEST_ROW): the Kafka key is the uri, the value a codec message, the `model` and
+`version` headers name what serves it, and a `cluster-serving-control` header marks a routing table
+(cluster_serving/job/repository_watch.py). Results and dead letters leave as Row(key, value, headers)
+of bytes, headers None for a result. PyFlink (2.2) has no schema that reads keys and headers or
+writes Row fields as a record, so two small Java classes (cluster_serving/jvm/java, compiled into the
+helper jar) do that.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from pyflink.java_gateway import get_gateway
 from cluster_serving.config import KAFKA_RECORD_BYTES, KafkaConfig
 from cluster_serving.kafka.connection import KafkaConnection
 
-# Row(key, value): the results' element type, the Kafka record's bytes (the key the uri's UTF-8).
-KEYED_BYTES = Types.ROW_NAMED(["key", "value"], [Types.PRIMITIVE_ARRAY(Types.BYTE()), Types.PRIMITIVE_ARRAY(Types.BYTE())])
+# Row(key, value, headers): the results' and dead letters' element type, the Kafka record's bytes
+# (the key the uri's UTF-8), the headers a dead letter's (HeaderBlock.java), None for a result.
+RESULT_RECORD = Types.ROW_NAMED(["key", "value", "headers"], [Types.PRIMITIVE_ARRAY(Types.BYTE())] * 3)
 
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).
 # Fetches of up to 8 MiB per partition: the default 1 MiB holds 21 requests of 48 KiB, and the
@@ -84,16 +87,10 @@ def drop_committer_gauge_warning() -> None:
 
 
 def result_sink(kafka: KafkaConfig) -> KafkaSink:
-    """Writes Row(key, value) to the result topic, at least once, or exactly once
-    in transactions committed with each checkpoint (kafka.delivery)."""
-    jvm = get_gateway().jvm
-    schema = (
-        jvm.org.apache.flink.connector.kafka.sink.KafkaRecordSerializationSchema.builder()
-        .setTopic(kafka.result_topic)
-        .setKeySerializationSchema(jvm.clusterserving.flink.RowFieldSerializationSchema(0))
-        .setValueSerializationSchema(jvm.clusterserving.flink.RowFieldSerializationSchema(1))
-        .build()
-    )
+    """Writes RESULT_RECORD rows, results to the result topic and dead letters to the dead-letter
+    topic, at least once, or exactly once in transactions committed with each checkpoint
+    (kafka.delivery): one sink, so that a dead letter commits with its error result."""
+    schema = get_gateway().jvm.clusterserving.flink.ResultRecordSerializationSchema(kafka.result_topic, kafka.dead_letters)
     builder = (
         KafkaSink.builder()
         .set_bootstrap_servers(kafka.bootstrap_servers)

@@ -30,7 +30,7 @@ from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_co
 from cluster_serving.config.command_line import config_parser  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
 from cluster_serving.job.control_key import control_key  # noqa: E402
-from cluster_serving.job.kafka_io import KEYED_BYTES, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
+from cluster_serving.job.kafka_io import RESULT_RECORD, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
 from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # noqa: E402
@@ -129,11 +129,12 @@ def build_pipeline(
     frames = (
         batches.map(DecodeBatch(config.limits)).name("decode").uid("decode")
         .map(infer(config)).name("infer").uid("infer")
-        .map(EncodeResults(), output_type=FRAME).name("encode").uid("encode")
+        .map(EncodeResults(kafka), output_type=FRAME).name("encode").uid("encode")
     )
-    results = split_results(frames, KEYED_BYTES).name("split-results").uid("split-results")
+    results = split_results(frames, RESULT_RECORD).name("split-results").uid("split-results")
+    dead_letters = f", dead letters to {kafka.dead_letters}" if kafka.dead_letters else ""
     results.sink_to(result_sink(kafka)).name("kafka-results").uid("kafka-results").set_description(
-        f"Kafka topic {kafka.result_topic}, {kafka.delivery.replace('_', ' ')}"
+        f"Kafka topic {kafka.result_topic}{dead_letters}, {kafka.delivery.replace('_', ' ')}"
     )
     name_python_stages(env, "decode", "infer", f"in Python: decode -> ONNX Runtime ({table.describe()}) -> encode")
     drop_committer_gauge_warning()

@@ -7,7 +7,8 @@ import gc
 
 from pyflink.datastream import MapFunction, RuntimeContext
 
-from cluster_serving.config import LimitsConfig, ServingConfig
+from cluster_serving.config import KafkaConfig, LimitsConfig, ServingConfig
+from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame
 from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.outcomes import Outcome
@@ -15,7 +16,7 @@ from cluster_serving.runtime.serve import BatchServer, BatchStats
 
 
 class DecodeBatch(MapFunction):
-    """A frame from the JVM -> its decoded batch; decode errors counted."""
+    """A frame from the JVM -> its decoded batch; decode errors and expired requests counted."""
 
     def __init__(self, limits: LimitsConfig):
         self.limits = limits
@@ -24,11 +25,13 @@ class DecodeBatch(MapFunction):
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.records_in = group.counter("requests")
         self.decode_errors = group.counter("decodeErrors")
+        self.deadline_exceeded = group.counter("deadlineExceeded")
 
     def map(self, value: bytes) -> DecodedBatch:
         batch = decode_frame(value, self.limits)
         self.records_in.inc(batch.size)
-        self.decode_errors.inc(len(batch.rejected) + batch.dropped)
+        self.decode_errors.inc(len(batch.rejected) - batch.expired + len(batch.dropped))
+        self.deadline_exceeded.inc(batch.expired)
         return batch
 
 
@@ -54,11 +57,11 @@ class ServeBatch(MapFunction):
         if self.server is not None:
             self.server.close()
 
-    def map(self, value: DecodedBatch) -> list[Outcome]:
+    def map(self, value: DecodedBatch) -> tuple[DecodedBatch, list[Outcome]]:
         outcomes, stats = self.server.serve_batch(value)
         if stats is not None:
             self._count(stats)
-        return outcomes
+        return value, outcomes
 
     @staticmethod
     def _meters(group) -> tuple:
@@ -76,7 +79,17 @@ class ServeBatch(MapFunction):
 
 
 class EncodeResults(MapFunction):
-    """Outcomes -> one frame of (uri, result bytes), split into Kafka records in the JVM."""
+    """A batch's outcomes -> one frame of (uri, result bytes) and dead letters, split into Kafka
+    records in the JVM; dead letters counted."""
 
-    def map(self, value: list[Outcome]) -> bytes:
-        return results_frame(value)
+    def __init__(self, kafka: KafkaConfig):
+        self.kafka = kafka
+
+    def open(self, runtime_context: RuntimeContext) -> None:
+        self.dead_letters = runtime_context.get_metrics_group().add_group("cluster_serving").counter("deadLetters")
+
+    def map(self, value: tuple[DecodedBatch, list[Outcome]]) -> bytes:
+        batch, outcomes = value
+        letters = dead_letters(batch, outcomes, self.kafka)
+        self.dead_letters.inc(len(letters))
+        return results_frame(outcomes, letters)

@@ -1,21 +1,24 @@
 """Decoding: a batch's records -> its requests, and error results for what cannot be read (bad
-bytes, a record key that is not the payload's uri). Images and sparse tensors are made arrays once
-the batch's servable is known, as its settings say (`prepare_instances`, called by serve.py)."""
+bytes, a record key that is not the payload's uri) or is no longer worth an answer (a deadline
+passed). Images and sparse tensors are made arrays once the batch's servable is known, as its
+settings say (`prepare_instances`, called by serve.py)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster_serving.config import ImageConfig, LimitsConfig
-from cluster_serving.runtime.frames import AlikeRecords, UriBlock, read_frame
-from cluster_serving.runtime.outcomes import InvalidInput, error_result, reason
+from cluster_serving.runtime.frames import AlikeRecords, Frame, Source, UriBlock, read_frame, read_headers
+from cluster_serving.runtime.outcomes import DeadlineExceeded, InvalidInput, error_result, reason
 from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, BatchArray, decode_images, prepare_values
 from cluster_serving.wire.codec import (
+    DEADLINE_HEADER,
     MAX_URI_CHARS,
     DecodeError,
     EncodedImage,
@@ -60,15 +63,19 @@ class DecodedBatch:
     model: str = ""
     version: str = ""
     table: str | None = None
-    # Records without a uri to answer (logged, no result possible).
-    dropped: int = 0
+    # Records without a uri to answer (logged, no result possible): (index in the frame, why).
+    dropped: list[tuple[int, str]] = field(default_factory=list)
     # An alike batch's requests, decoded together (then `instances` is empty).
     alike: AlikeRequests | None = None
+    # Requests answered deadline_exceeded (among `rejected`).
+    expired: int = 0
+    # The frame the batch came in: its requests as they came, for their dead letters.
+    frame: Frame | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         """The records the batch came as."""
-        return len(self.instances) + len(self.rejected) + self.dropped + (len(self.alike) if self.alike else 0)
+        return len(self.instances) + len(self.rejected) + len(self.dropped) + (len(self.alike) if self.alike else 0)
 
     def requests(self) -> list[Message]:
         """Every request to serve, one message each (an alike batch's made so now)."""
@@ -85,34 +92,57 @@ def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
     if read.alike is not None:
         batch = decode_alike(read.alike)
     else:
-        batch, batch.dropped = decode_records(read.records, limits)
-    batch.model, batch.version = read.model, read.version
+        batch, batch.dropped = decode_records(read.records, limits, read.sources)
+        batch.expired = sum(1 for message in batch.rejected if message.error_code == "deadline_exceeded")
+    batch.model, batch.version, batch.frame = read.model, read.version, read
     return batch
 
 
-def decode_records(records: list[tuple[str | None, bytes]], limits: LimitsConfig) -> tuple[DecodedBatch, int]:
-    """Returns the decoded batch and how many records were dropped for lack of a uri to answer.
+def decode_records(
+    records: list[tuple[str | None, bytes]], limits: LimitsConfig, sources: Sequence[Source] = ()
+) -> tuple[DecodedBatch, list[tuple[int, str]]]:
+    """Returns the decoded batch and the records dropped for lack of a uri to answer (index, why).
+    A record whose `sources` entry has a deadline that has passed is answered deadline_exceeded
+    without being decoded.
 
-    Whatever one record holds, it ends up an instance, an error result or a dropped count: any
+    Whatever one record holds, it ends up an instance, an error result or a dropped one: any
     exception from reading it, expected or not, stays that record's problem, since one escaping
     would restart the job and fail every other request in flight."""
     instances: list[Message] = []
     rejected: list[Message] = []
-    dropped = 0
-    for key, payload in records:
+    dropped: list[tuple[int, str]] = []
+    now_ms = time.time() * 1000
+    for index, (key, payload) in enumerate(records):
         try:
+            if index < len(sources) and sources[index].headers is not None:
+                _check_deadline(sources[index].headers, now_ms)
             message = decode_message(payload or b"", limits.max_instance_bytes)
             if key is not None and key != message.uri:
                 raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
         except Exception as exc:
+            expired = isinstance(exc, DeadlineExceeded)
             if key and len(key) <= MAX_URI_CHARS:
-                rejected.append(error_result(key, "bad request", exc))
+                rejected.append(error_result(key, "deadline exceeded" if expired else "bad request", exc,
+                                             "deadline_exceeded" if expired else "bad_request"))
             else:
                 log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), reason(exc))
-                dropped += 1
+                dropped.append((index, reason(exc)))
             continue
         instances.append(message)
     return DecodedBatch(instances, rejected), dropped
+
+
+def _check_deadline(headers: bytes, now_ms: float) -> None:
+    """Raises DeadlineExceeded when the deadline header says a time before `now_ms`, DecodeError
+    when it says no time."""
+    for name, value in read_headers(headers):
+        if name != DEADLINE_HEADER:
+            continue
+        text = (value or b"").decode(errors="replace")
+        if not text.isascii() or not text.isdigit() or len(text) > 15:
+            raise DecodeError(f"header {DEADLINE_HEADER} must be epoch milliseconds, got {text[:40]!r}")
+        if int(text) < now_ms:
+            raise DeadlineExceeded(f"the deadline passed {now_ms - int(text):.0f} ms before its batch formed")
 
 
 def decode_alike(records: AlikeRecords) -> DecodedBatch:

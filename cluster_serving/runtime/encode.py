@@ -1,5 +1,5 @@
-"""Encoding: results -> one frame of (uri, result message bytes) and alike sections (the rows of a
-stacked run, made messages by the JVM), split into Kafka records in the JVM."""
+"""Encoding: results -> one frame of (uri, result message bytes), dead letters and alike sections
+(the rows of a stacked run, made messages by the JVM), split into Kafka records in the JVM."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from typing import Iterator
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.runtime.frames import AlikeResults, UriBlock, write_frame
+from cluster_serving.runtime.frames import AlikeResults, DeadLetter, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
 from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, carries, encode_message, encode_rows, stacked_rows
 
@@ -28,9 +28,9 @@ def encode_result(result: Message) -> bytes:
     return _within_limit(result.uri, payload)
 
 
-def results_frame(outcomes: list[Outcome]) -> bytes:
-    """The frame of a batch's results: each stacked run's rows as an alike section, when the
-    format carries them, the rest as (uri, message) records."""
+def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = ()) -> bytes:
+    """The frame of a batch's results and dead letters: each stacked run's rows as an alike
+    section, when the format carries them, the rest as (uri, message) records."""
     sections, others = [], []
     for outcome in outcomes:
         section = alike_results(outcome) if isinstance(outcome, Rows) else None
@@ -38,7 +38,7 @@ def results_frame(outcomes: list[Outcome]) -> bytes:
             others.append(outcome)
         else:
             sections.append(section)
-    return write_frame(encode_outcomes(others), sections)
+    return write_frame(encode_outcomes(others), sections, dead_letters)
 
 
 def alike_results(rows: Rows) -> AlikeResults | None:

@@ -7,18 +7,25 @@ Layout (BatchFrames.java writes and reads the same), little-endian. The record p
 count, then per record a uint32 uri length (0xFFFFFFFF: a record without a key), the uri in UTF-8,
 a uint32 payload length and the payload. A frame to Python starts with a header, a uint32 length
 and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (the requests'
-`model` and `version` headers, "" when absent), or "C" + the routing table text for a control
-frame (no records; the batches after it were made by that table).
+`model` and `version` headers, "" when absent), then its record part and its sources block; or
+"C" + the routing table text for a control frame (no records; the batches after it were made by
+that table). The sources block says where each request was read, for its dead letter: per request
+an int32 partition and an int64 offset (-1: not known), and its other headers (a uint32 length,
+0xFFFFFFFF for none, and a header block: a uint32 count, then per header a uint32 name length, the
+UTF-8 name, a uint32 value length, 0xFFFFFFFF for none, and the value; HeaderBlock.java).
 
-A batch of alike requests (format 2 messages of one layout, each under its uri as the record key:
-what a client sending one model's tensors writes) comes as "A" + model + TAB + version, taken apart
-by the JVM so that Python reads it without a step per request: a uint32 count, the layout (uint32
-length, bytes), a uint32 value size, the uris block (uint32 byte length, then per request a uint32
-length and the uri) and the values block (value size bytes per request, one after another).
+A batch of alike requests (format 2 messages of one layout, each under its uri as the record key,
+no headers but the route's: what a client sending one model's tensors writes) comes as "A" +
+model + TAB + version, taken apart by the JVM so that Python reads it without a step per request: a
+uint32 count, the layout (uint32 length, bytes), a uint32 value size, the uris block (uint32 byte
+length, then per request a uint32 length and the uri), the values block (value size bytes per
+request, one after another) and the sources block.
 
-A results frame back is a record part, then any number of alike sections, one per stacked run
-(`AlikeResults`): a uint32 count, the layout tail the results share (format 2's: uint32 length,
-JSON), a uint32 row size, a uris block and the rows block; the JVM writes each row's message.
+A results frame back is a record part, the dead letters (a uint32 count, then per dead letter a
+record as in the record part and its headers: a uint32 length and a header block), then any number
+of alike sections, one per stacked run (`AlikeResults`): a uint32 count, the layout tail the results
+share (format 2's: uint32 length, JSON), a uint32 row size, a uris block and the rows block; the
+JVM writes each row's message.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from functools import cached_property
 from cluster_serving.wire.codec import message_from_parts
 
 _U32 = struct.Struct("<I")
+_SOURCE = struct.Struct("<iqI")
 NO_URI = 0xFFFFFFFF
 BATCH = "batch"
 ALIKE = "alike"
@@ -38,6 +46,84 @@ CONTROL = "control"
 _KINDS = {"B": BATCH, "A": ALIKE, "C": CONTROL}
 
 Record = tuple[str | None, memoryview]
+Headers = list[tuple[str, bytes | None]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a request was read (-1: not known), and its headers other than the route's, as a
+    header block (None: none)."""
+
+    partition: int = -1
+    offset: int = -1
+    headers: bytes | None = None
+
+
+class SourceBlock(Sequence[Source]):
+    """The sources block of a frame's `count` requests, read only when asked for: an alike batch
+    needs it only for a dead letter."""
+
+    def __init__(self, block: bytes | memoryview, count: int):
+        self.block = block
+        self.count = count
+
+    @cached_property
+    def _sources(self) -> list[Source]:
+        sources, at, view = [], 0, memoryview(self.block)
+        for _ in range(self.count):
+            partition, offset, length = _SOURCE.unpack_from(view, at)
+            at += _SOURCE.size
+            headers = None
+            if length != NO_URI:
+                headers, at = bytes(view[at:at + length]), at + length
+            sources.append(Source(partition, offset, headers))
+        if at != len(view):
+            raise FrameError(f"a sources block of {self.count} requests ends at byte {at}, not {len(view)}")
+        return sources
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._sources[index]
+
+    def __iter__(self) -> Iterator[Source]:
+        return iter(self._sources)
+
+
+def read_headers(block: bytes) -> Headers:
+    """The (name, value) pairs of a header block."""
+    (count,) = _U32.unpack_from(block, 0)
+    at, headers = 4, []
+    for _ in range(count):
+        (name_length,) = _U32.unpack_from(block, at)
+        name = block[at + 4:at + 4 + name_length].decode()
+        at += 4 + name_length
+        (length,) = _U32.unpack_from(block, at)
+        at += 4
+        value = None
+        if length != NO_URI:
+            value, at = bytes(block[at:at + length]), at + length
+        headers.append((name, value))
+    return headers
+
+
+def write_headers(headers: Headers) -> bytes:
+    """The header block of (name, value) pairs."""
+    parts = [_U32.pack(len(headers))]
+    for name, value in headers:
+        key = name.encode()
+        parts += (_U32.pack(len(key)), key, _U32.pack(NO_URI if value is None else len(value)), value or b"")
+    return b"".join(parts)
+
+
+def write_sources(sources: Iterable[Source]) -> bytes:
+    """A sources block."""
+    parts = []
+    for source in sources:
+        headers = source.headers
+        parts += (_SOURCE.pack(source.partition, source.offset, NO_URI if headers is None else len(headers)), headers or b"")
+    return b"".join(parts)
 
 
 class UriBlock(Sequence[str]):
@@ -88,6 +174,12 @@ class AlikeRecords:
     layout: bytes
     value_size: int
     values: memoryview
+    sources: SourceBlock
+
+    def payload(self, index: int) -> bytes:
+        """Request `index`'s message as it came."""
+        values = self.values[index * self.value_size:(index + 1) * self.value_size]
+        return message_from_parts(self.uris[index], _U32.pack(len(self.layout)) + self.layout, values)
 
 
 @dataclass(frozen=True)
@@ -116,6 +208,8 @@ class Frame:
     version: str
     table: str | None
     records: list[Record]
+    # kind BATCH: where each record was read.
+    sources: Sequence[Source] = ()
     # kind ALIKE: the batch's requests (and no records).
     alike: AlikeRecords | None = field(default=None, repr=False)
 
@@ -134,7 +228,7 @@ def read_frame(frame: bytes) -> Frame:
         header = str(view[4:4 + length], "utf-8")
         kind = _KINDS.get(header[:1])
         alike = _read_alike(frame, view, 4 + length) if kind == ALIKE else None
-        records = [] if kind == ALIKE else _read_records(frame, view, 4 + length)
+        records, sources = ([], ()) if kind == ALIKE else _read_records(frame, view, 4 + length)
     except (struct.error, UnicodeDecodeError) as exc:
         raise FrameError(f"a frame of {len(frame)} bytes does not parse: {exc}") from None
     if kind is None:
@@ -148,7 +242,7 @@ def read_frame(frame: bytes) -> Frame:
     model, tab, version = header[1:].rpartition("\t")
     if not tab:
         raise FrameError(f"a batch frame header has no tab: {header[:80]!r}")
-    return Frame(kind, model, version, None, records, alike)
+    return Frame(kind, model, version, None, records, sources, alike)
 
 
 def _read_alike(frame: bytes, view: memoryview, at: int) -> AlikeRecords:
@@ -158,16 +252,20 @@ def _read_alike(frame: bytes, view: memoryview, at: int) -> AlikeRecords:
     value_size, uris_length = struct.unpack_from("<II", frame, at + layout_length)
     at += layout_length + 8
     values_at = at + uris_length
-    if count == 0 or values_at + count * value_size != len(frame):
+    sources_at = values_at + count * value_size
+    if count == 0 or sources_at + count * _SOURCE.size != len(frame):
         raise FrameError(f"an alike batch of {count} requests of {value_size} bytes does not fill a frame of {len(frame)}")
-    return AlikeRecords(UriBlock(view[at:values_at], count), layout, value_size, view[values_at:])
+    return AlikeRecords(UriBlock(view[at:values_at], count), layout, value_size, view[values_at:sources_at],
+                        SourceBlock(view[sources_at:], count))
 
 
-def _read_records(frame: bytes, view: memoryview, at: int) -> list[Record]:
+def _read_records(frame: bytes, view: memoryview, at: int) -> tuple[list[Record], list[Source]]:
     records, at = _records_from(frame, view, at)
-    if at != len(frame):
-        raise FrameError(f"a frame of {len(records)} records ends at byte {at}, not {len(frame)}")
-    return records
+    sources = SourceBlock(view[at:], len(records))
+    try:
+        return records, list(sources)
+    except struct.error:
+        raise FrameError(f"the sources of a frame of {len(records)} records run past its end") from None
 
 
 def _records_from(frame: bytes, view: memoryview, at: int) -> tuple[list[Record], int]:
@@ -193,13 +291,30 @@ def _records_from(frame: bytes, view: memoryview, at: int) -> tuple[list[Record]
     return records, at
 
 
-def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = ()) -> bytes:
-    """The results frame of (uri, payload) records and alike sections (no header)."""
+@dataclass(frozen=True)
+class DeadLetter:
+    """A failed request as it came (key, value) with its headers, those it came with and those
+    saying why it failed, for the dead-letter topic."""
+
+    key: str | None
+    value: bytes | memoryview
+    headers: Headers
+
+
+def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = (),
+                dead_letters: Sequence[DeadLetter] = ()) -> bytes:
+    """The results frame of (uri, payload) records, dead letters and alike sections (no header)."""
     parts = [b""]
     for uri, payload in records:
         key = uri.encode()
         parts += (_U32.pack(len(key)), key, _U32.pack(len(payload)), payload)
     parts[0] = _U32.pack((len(parts) - 1) // 4)
+    parts.append(_U32.pack(len(dead_letters)))
+    for letter in dead_letters:
+        key = None if letter.key is None else letter.key.encode()
+        headers = write_headers(letter.headers)
+        parts += (_U32.pack(NO_URI if key is None else len(key)), key or b"", _U32.pack(len(letter.value)), letter.value,
+                  _U32.pack(len(headers)), headers)
     for section in sections:
         parts += (_U32.pack(section.uris.count), section.tail, _U32.pack(section.row_size),
                   _U32.pack(len(section.uris.block)), section.uris.block, section.rows)
@@ -209,8 +324,24 @@ def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeRe
 def read_result_frame(frame: bytes) -> list[Record]:
     """The (uri, result payload) records of a results frame, its alike sections' rows made
     messages as the JVM makes them (for tests and tools; the JVM splits these into Kafka records)."""
+    return read_results(frame)[0]
+
+
+def read_results(frame: bytes) -> tuple[list[Record], list[DeadLetter]]:
+    """The records of a results frame, as read_result_frame reads them, and its dead letters."""
     view = memoryview(frame)
     records, at = _records_from(frame, view, 0)
+    (count,), at, letters = _U32.unpack_from(frame, at), at + 4, []
+    for _ in range(count):
+        (length,) = _U32.unpack_from(frame, at)
+        key = None if length == NO_URI else str(view[at + 4:at + 4 + length], "utf-8")
+        at += 4 + (0 if key is None else length)
+        (length,) = _U32.unpack_from(frame, at)
+        value = bytes(view[at + 4:at + 4 + length])
+        at += 4 + length
+        (length,) = _U32.unpack_from(frame, at)
+        letters.append(DeadLetter(key, value, read_headers(bytes(view[at + 4:at + 4 + length]))))
+        at += 4 + length
     while at < len(frame):
         (count,) = _U32.unpack_from(frame, at)
         tail = bytes(view[at + 4:at + 8 + _U32.unpack_from(frame, at + 4)[0]])
@@ -222,12 +353,14 @@ def read_result_frame(frame: bytes) -> list[Record]:
             row = view[at + i * row_size:at + (i + 1) * row_size]
             records.append((uri, memoryview(message_from_parts(uri, tail, row))))
         at += count * row_size
-    return records
+    return records, letters
 
 
-def write_batch_frame(model: str, version: str, records: Iterable[tuple[str | None, bytes]]) -> bytes:
-    """A batch frame as the JVM writes it (for tests and tools; the job reads these, never writes them)."""
-    return _with_header("B" + model + "\t" + version, records)
+def write_batch_frame(model: str, version: str, records: Sequence[tuple[str | None, bytes]],
+                      sources: Sequence[Source] | None = None) -> bytes:
+    """A batch frame as the JVM writes it, by default of requests from unknown places without
+    headers (for tests and tools; the job reads these, never writes them)."""
+    return _with_header("B" + model + "\t" + version, records) + write_sources(sources or [Source()] * len(records))
 
 
 def write_alike_frame(model: str, version: str, records: list[tuple[str | None, bytes]]) -> bytes | None:
@@ -251,7 +384,7 @@ def write_alike_frame(model: str, version: str, records: list[tuple[str | None, 
     header = ("A" + model + "\t" + version).encode()
     uris = b"".join(parts)
     return b"".join([_U32.pack(len(header)), header, _U32.pack(len(records)), layout, _U32.pack(value_size),
-                     _U32.pack(len(uris)), uris, *values])
+                     _U32.pack(len(uris)), uris, *values, write_sources([Source()] * len(records))])
 
 
 def write_control_frame(table: str) -> bytes:

@@ -17,6 +17,10 @@ class InvalidInput(ValueError):
     """An instance does not fit the model: missing, unknown, mistyped or misshapen inputs."""
 
 
+class DeadlineExceeded(Exception):
+    """The request's deadline had passed when its batch formed."""
+
+
 @dataclass
 class Rows:
     """The results of one stacked group (in one run, or runs of batching.run_batch_size): row i of
@@ -49,7 +53,7 @@ def error_result(uri: str, kind: str, exc: Exception, code: str = "bad_request")
     """The error result for one request, with its code (wire.ERROR_CODES; too_large for a
     TooLarge whatever the caller says), logged; an exception that no check raised on purpose is a
     bug to fix, so its traceback goes to the log too."""
-    expected = isinstance(exc, (DecodeError, InvalidInput))
+    expected = isinstance(exc, (DecodeError, InvalidInput, DeadlineExceeded))
     log.warning("uri=%s %s: %s", uri, kind, reason(exc), exc_info=not expected)
     return Message(uri=uri, error=f"{kind}: {reason(exc)}", error_code="too_large" if isinstance(exc, TooLarge) else code)
 
@@ -57,6 +61,6 @@ def error_result(uri: str, kind: str, exc: Exception, code: str = "bad_request")
 def reason(exc: Exception) -> str:
     """An exception as the client reads it: our own checks' messages as they are, any other with
     its type, which is often all it says (a bare KeyError or MemoryError)."""
-    if isinstance(exc, (DecodeError, InvalidInput)):
+    if isinstance(exc, (DecodeError, InvalidInput, DeadlineExceeded)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -1,10 +1,10 @@
 """The serving core: a micro-batch of one route -> its servable's results, without Flink.
 
 `BatchServer.serve_frame` is one batch's whole path, top to bottom: read the frame the JVM sends,
-decode its records, resolve the route to a servable and version (servables.py), make images and
+decode its records (those past their deadline answered without running), resolve the route to a servable and version (servables.py), make images and
 sparse tensors arrays as the servable says, run its preprocess function, its model (or its
 pipeline's steps), its postprocess function and top-N, tag every result with the model and version
-that served it, and write the results' frame. Each request's problem is its own error result; the
+that served it, and write the results' frame, with a dead letter for every request that failed. Each request's problem is its own error result; the
 batch's other requests are served. The Flink job (job/operators.py) calls the same steps one
 operator at a time, to count them in the Flink UI.
 """
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cluster_serving.config import ServingConfig
+from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame, prepare_instances
 from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.infer import predict, predict_alike
@@ -58,10 +59,11 @@ class BatchServer:
         self.decode_pool.shutdown(wait=False)
 
     def serve_frame(self, frame: bytes) -> bytes:
-        """A frame of requests (or of a routing table) in, the frame of their results out."""
+        """A frame of requests (or of a routing table) in, the frame of their results (and dead
+        letters) out."""
         batch = decode_frame(frame, self.config.limits)
         outcomes, _ = self.serve_batch(batch)
-        return results_frame(outcomes)
+        return results_frame(outcomes, dead_letters(batch, outcomes, self.config.kafka))
 
     def serve_batch(self, batch: DecodedBatch) -> tuple[list[Outcome], BatchStats | None]:
         """The batch's outcomes, and what it did (None when no model ran: a routing table adopted,

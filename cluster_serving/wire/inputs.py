@@ -8,12 +8,14 @@ value by its kind (cluster_serving/wire/kinds.py, which lists the forms of the f
 from __future__ import annotations
 
 import numbers
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from cluster_serving.wire.codec import (
+    DEADLINE_HEADER,
     MAX_URI_CHARS,
     MODEL_HEADER,
     MODEL_NAME,
@@ -52,10 +54,11 @@ MAX_VERSION = 2**63 - 1  # the job reads versions as int64
 Headers = list[tuple[str, bytes]]
 
 
-def request_headers(model: str | None, version: int | None) -> Headers | None:
-    """The record headers naming `model` and `version` (None: no header); a name the repository
-    cannot hold or a version that is not a positive integer raises ValueError."""
-    headers: Headers = []
+def request_headers(model: str | None, version: int | None, timeout: float | None = None) -> Headers | None:
+    """The record headers naming `model` and `version` (None: no header) and the deadline
+    `timeout` seconds from now (None: none); a name the repository cannot hold, a version that is
+    not a positive integer or a timeout that is not a positive number raises ValueError."""
+    headers: Headers = deadline_headers(timeout)
     if model is not None:
         headers.append((MODEL_HEADER, checked_model(model).encode()))
     if version is not None:
@@ -63,6 +66,15 @@ def request_headers(model: str | None, version: int | None) -> Headers | None:
             raise ValueError(f"version must be a positive integer (a version folder's name), got {version!r}")
         headers.append((VERSION_HEADER, str(int(version)).encode()))
     return headers or None
+
+
+def deadline_headers(timeout: float | None) -> Headers:
+    """The deadline header for `timeout` seconds from now; none for None."""
+    if timeout is None:
+        return []
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < 10**9:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return [(DEADLINE_HEADER, str(int((time.time() + timeout) * 1000)).encode())]
 
 
 def checked_model(model: str) -> str:

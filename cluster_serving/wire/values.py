@@ -26,6 +26,8 @@ MODEL_HEADER = "model"
 # Model names travel in Kafka headers and URL paths: no slashes, no spaces, no leading dot.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 VERSION_HEADER = "version"
+# When the request stops being worth an answer: epoch milliseconds, as decimal text.
+DEADLINE_HEADER = "deadline-ms"
 CONTROL_HEADER = "cluster-serving-control"
 SIGNATURE_HEADER = "cluster-serving-signature"
 # The two tensors of a top-N result (metadata cs.top_n).
@@ -51,6 +53,7 @@ ERROR_CODES = (
     "preprocess_failed",  # the servable's preprocess function raised
     "inference_failed",  # the model's run raised
     "postprocess_failed",  # the servable's postprocess function or top-N failed
+    "deadline_exceeded",  # the request's deadline had passed when its batch formed: not run
     "internal",  # anything else on the serving side: a result that cannot be written, a broken pipeline
 )
 

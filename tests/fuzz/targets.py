@@ -316,9 +316,9 @@ def check_batch(data: bytes) -> None:
         batch, dropped = decode_records(records, LIMITS)
         instances, refused = prepare_instances(batch.instances, PREPROCESS.images, LIMITS)
     rejected = batch.rejected + refused
-    if len(instances) + len(rejected) + dropped != len(records):
+    if len(instances) + len(rejected) + len(dropped) != len(records):
         raise FuzzBug(f"{len(records)} records in, {len(instances)} instances + "
-                      f"{len(rejected)} rejected + {dropped} dropped out")
+                      f"{len(rejected)} rejected + {len(dropped)} dropped out")
     for message in rejected:
         if not message.error or not message.uri or len(message.uri) > MAX_URI_CHARS:
             raise FuzzBug(f"rejected record without an error or a usable uri: {message!r}")

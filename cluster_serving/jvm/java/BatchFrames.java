@@ -15,18 +15,23 @@ import org.apache.flink.types.Row;
  * then per record a uint32 uri length (0xFFFFFFFF for a record without a key), the uri's UTF-8
  * bytes, a uint32 payload length and the payload. A frame to Python starts with a header, a uint32
  * length and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (as the
- * requests' headers said, "" when absent), "C" + table text for a control frame (zero records: the
- * routing table the batches after it were made by).
+ * requests' headers said, "" when absent), then its record part and its sources block; "C" + table
+ * text for a control frame (zero records: the routing table the batches after it were made by).
+ * The sources block says where each request came from, for its dead letter: per request an int32
+ * partition and an int64 offset (-1 when not known) and its other headers (HeaderBlock; a uint32
+ * length, 0xFFFFFFFF for none, and the block).
  *
  * <p>A batch whose requests are all alike (format 2 messages with the same layout, each under its
- * own uri as the record key) goes as "A" + model + TAB + version instead, its requests taken
- * apart here so that Python reads the batch without a step per request: a uint32 count, the
- * shared layout (uint32 length, bytes), a uint32 value size, the uris block (uint32 byte length,
- * then per request a uint32 length and the UTF-8 uri) and the values block (each request's values
- * one after another, value size bytes each).
+ * own uri as the record key, no headers but the route's) goes as "A" + model + TAB + version
+ * instead, its requests taken apart here so that Python reads the batch without a step per
+ * request: a uint32 count, the shared layout (uint32 length, bytes), a uint32 value size, the uris
+ * block (uint32 byte length, then per request a uint32 length and the UTF-8 uri), the values block
+ * (each request's values one after another, value size bytes each) and the sources block.
  *
- * <p>The results frame back from Python is a record part, then any number of alike sections, one
- * per stacked run: a uint32 count, the shared layout tail (as format 2 writes it: uint32 length,
+ * <p>The results frame back from Python is a record part, the dead letters (a uint32 count, then
+ * per dead letter a record as in the record part, a uint32 uri length 0xFFFFFFFF for none, and
+ * its headers: a uint32 length and a HeaderBlock), then any number of alike sections, one per
+ * stacked run: a uint32 count, the shared layout tail (as format 2 writes it: uint32 length,
  * JSON), a uint32 row size, a uris block as above and the rows block. Each row is one result:
  * its message is the format 2 header, the uri, the layout tail and the row, written here.
  * cluster_serving/runtime/frames.py reads and writes the same layouts.
@@ -36,6 +41,12 @@ public final class BatchFrames {
     private static final byte[] V2_MAGIC = {'C', 'S', 'T', '2'};
     // The magic and a uint16 uri length; then the uri, a uint32 layout length and the layout.
     private static final int V2_URI_AT = 6;
+    // A request row's fields (KeyValueDeserializationSchema); a shorter row has no source.
+    private static final int PARTITION = 5;
+    private static final int OFFSET = 6;
+    private static final int HEADERS = 7;
+    // A source without headers: partition, offset, headers length.
+    private static final int PLAIN_SOURCE_BYTES = 16;
 
     private BatchFrames() {}
 
@@ -63,7 +74,7 @@ public final class BatchFrames {
             String uri = (String) record.getField(0);
             byte[] key = uri == null ? null : uri.getBytes(StandardCharsets.UTF_8);
             uris.add(key);
-            size += 8 + (key == null ? 0 : key.length) + payload(record).length;
+            size += 8 + (key == null ? 0 : key.length) + payload(record).length + sourceBytes(record);
         }
         if (size > Integer.MAX_VALUE - 8) {
             throw new IllegalStateException("a micro-batch of " + size + " bytes does not fit one frame");
@@ -82,6 +93,7 @@ public final class BatchFrames {
             frame.putInt(value.length);
             frame.put(value);
         }
+        putSources(frame, records);
         return frame.array();
     }
 
@@ -106,7 +118,8 @@ public final class BatchFrames {
             Row record = records.get(i);
             String uri = (String) record.getField(0);
             byte[] value = payload(record);
-            if (uri == null || uri.isEmpty() || uri.length() > maxUriChars || value.length > maxInstanceBytes) {
+            if (uri == null || uri.isEmpty() || uri.length() > maxUriChars || value.length > maxInstanceBytes
+                || field(record, HEADERS) != null) {
                 return null;
             }
             byte[] key = uri.getBytes(StandardCharsets.UTF_8);
@@ -120,7 +133,8 @@ public final class BatchFrames {
             urisBytes += 4 + key.length;
         }
         byte[] header = headerText.getBytes(StandardCharsets.UTF_8);
-        long size = 4L + header.length + 12 + layoutLength + 4 + urisBytes + (long) records.size() * valueSize;
+        long size = 4L + header.length + 12 + layoutLength + 4 + urisBytes
+            + (long) records.size() * (valueSize + PLAIN_SOURCE_BYTES);
         if (size > Integer.MAX_VALUE - 8) {
             return null;
         }
@@ -135,7 +149,32 @@ public final class BatchFrames {
             byte[] value = payload(record);
             frame.put(value, value.length - valueSize, valueSize);
         }
+        putSources(frame, records);
         return frame.array();
+    }
+
+    /** The sources block of a batch's requests. */
+    private static void putSources(ByteBuffer frame, List<Row> records) {
+        for (Row record : records) {
+            Object partition = field(record, PARTITION);
+            Object offset = field(record, OFFSET);
+            byte[] headers = (byte[]) field(record, HEADERS);
+            frame.putInt(partition == null ? -1 : (Integer) partition).putLong(offset == null ? -1 : (Long) offset);
+            frame.putInt(headers == null ? NO_URI : headers.length);
+            if (headers != null) {
+                frame.put(headers);
+            }
+        }
+    }
+
+    private static long sourceBytes(Row record) {
+        byte[] headers = (byte[]) field(record, HEADERS);
+        return PLAIN_SOURCE_BYTES + (headers == null ? 0 : headers.length);
+    }
+
+    /** A field of a row, null where the row is shorter. */
+    static Object field(Row record, int index) {
+        return record.getArity() > index ? record.getField(index) : null;
     }
 
     /** Where a format 2 message's layout starts (after its uint32 length), or -1 when it is not one. */
@@ -149,23 +188,23 @@ public final class BatchFrames {
     }
 
     /**
-     * The Row(key, value) records of a results frame (no header), both as bytes, the key the
-     * uri's UTF-8: its records, then its alike sections.
+     * The Row(key, value, headers) records of a results frame (no header), as bytes, the key the
+     * uri's UTF-8: its records and alike sections' rows with headers null, its dead letters with
+     * their HeaderBlock.
      */
     public static List<Row> decode(byte[] bytes) {
         ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
         int count = frame.getInt();
         List<Row> records = new ArrayList<>(count);
         for (int i = 0; i < count; i++) {
-            int uriLength = frame.getInt();
-            byte[] key = null;
-            if (uriLength != NO_URI) {
-                key = new byte[uriLength];
-                frame.get(key);
-            }
-            byte[] value = new byte[frame.getInt()];
-            frame.get(value);
-            records.add(Row.of(key, value));
+            byte[] key = nullableBytes(frame);
+            records.add(Row.of(key, bytes(frame, frame.getInt()), null));
+        }
+        int deadLetters = frame.getInt();
+        for (int i = 0; i < deadLetters; i++) {
+            byte[] key = nullableBytes(frame);
+            byte[] value = bytes(frame, frame.getInt());
+            records.add(Row.of(key, value, bytes(frame, frame.getInt())));
         }
         while (frame.hasRemaining()) {
             decodeAlike(bytes, frame, records);
@@ -192,7 +231,7 @@ public final class BatchFrames {
             System.arraycopy(bytes, uriAt, value, V2_URI_AT, uriLength);
             System.arraycopy(bytes, tailAt, value, V2_URI_AT + uriLength, tailLength);
             System.arraycopy(bytes, rowAt, value, V2_URI_AT + uriLength + tailLength, rowSize);
-            records.add(Row.of(Arrays.copyOfRange(bytes, uriAt, uriAt + uriLength), value));
+            records.add(Row.of(Arrays.copyOfRange(bytes, uriAt, uriAt + uriLength), value, null));
             frame.position(uriAt + uriLength);
             rowAt += rowSize;
         }
@@ -200,6 +239,18 @@ public final class BatchFrames {
             throw new IllegalStateException("an alike section's uris end at byte " + frame.position() + ", not " + urisEnd);
         }
         frame.position(rowAt);
+    }
+
+    /** A uint32 length (0xFFFFFFFF: null) and that many bytes. */
+    private static byte[] nullableBytes(ByteBuffer frame) {
+        int length = frame.getInt();
+        return length == NO_URI ? null : bytes(frame, length);
+    }
+
+    private static byte[] bytes(ByteBuffer frame, int length) {
+        byte[] read = new byte[length];
+        frame.get(read);
+        return read;
     }
 
     /** The payload (field 1) of a request or result row; none is an empty one. */

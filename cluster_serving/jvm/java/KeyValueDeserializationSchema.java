@@ -2,6 +2,7 @@ package clusterserving.flink;
 
 import java.nio.charset.StandardCharsets;
 import java.security.MessageDigest;
+import java.util.Set;
 import javax.crypto.Mac;
 import javax.crypto.spec.SecretKeySpec;
 import org.apache.flink.api.common.serialization.DeserializationSchema;
@@ -18,11 +19,13 @@ import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
 /**
- * Emits Row(uri, payload, model, version, control) for every Kafka record: the key as a UTF-8
- * string or null, so the job knows a request's uri even when the value cannot be decoded; the
- * value bytes; the `model` and `version` headers as UTF-8 strings (null when absent or empty);
- * control true for a record with a `cluster-serving-control` header, whose value is a routing
- * table (RoutingTable) rather than a request. job/batch.py's REQUEST_ROW is the same type.
+ * Emits Row(uri, payload, model, version, control, partition, offset, headers) for every Kafka
+ * record: the key as a UTF-8 string or null, so the job knows a request's uri even when the value
+ * cannot be decoded; the value bytes; the `model` and `version` headers as UTF-8 strings (null
+ * when absent or empty); control true for a record with a `cluster-serving-control` header, whose
+ * value is a routing table (RoutingTable) rather than a request; where the record was read (for
+ * its dead letter); its other headers as a HeaderBlock (null when none: the deadline, say, or a
+ * producer's own). job/batch.py's REQUEST_ROW is the same type.
  *
  * <p>Anyone who may write requests may write that header, so a control record is passed on only
  * when its `cluster-serving-signature` header is the HMAC-SHA256 of its value under the job's key
@@ -37,7 +40,8 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
     public static final String CONTROL_HEADER = "cluster-serving-control";
     public static final String SIGNATURE_HEADER = "cluster-serving-signature";
     private static final String HMAC = "HmacSHA256";
-    private static final String[] FIELDS = {"uri", "payload", "model", "version", "control"};
+    private static final String[] FIELDS = {"uri", "payload", "model", "version", "control", "partition", "offset", "headers"};
+    private static final Set<String> ROUTE_HEADERS = Set.of(MODEL_HEADER, VERSION_HEADER);
 
     private final byte[] controlKey;
     private transient Mac mac;
@@ -72,7 +76,8 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
             return;
         }
         out.collect(Row.of(
-            uri, record.value(), header(record, MODEL_HEADER), header(record, VERSION_HEADER), control));
+            uri, record.value(), header(record, MODEL_HEADER), header(record, VERSION_HEADER), control,
+            record.partition(), record.offset(), control ? null : HeaderBlock.encode(record.headers(), ROUTE_HEADERS)));
     }
 
     private boolean signed(ConsumerRecord<byte[], byte[]> record) {
@@ -113,6 +118,7 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
     @Override
     public TypeInformation<Row> getProducedType() {
         return Types.ROW_NAMED(
-            FIELDS, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE), Types.STRING, Types.STRING, Types.BOOLEAN);
+            FIELDS, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE), Types.STRING, Types.STRING, Types.BOOLEAN,
+            Types.INT, Types.LONG, Types.PRIMITIVE_ARRAY(Types.BYTE));
     }
 }

@@ -63,9 +63,11 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         implements OneInputStreamOperator<Row, byte[]>, ProcessingTimeCallback {
     private static final long serialVersionUID = 1L;
     private static final Logger LOG = LoggerFactory.getLogger(MicroBatchOperator.class);
-    // Row(model, version, uri, payload): a new name, so that the Row(uri, payload) state of the
-    // batcher before routes ("pending") is never read as this layout.
-    private static final String PENDING_STATE = "pending-routed";
+    // Row(model, version, uri, payload, partition, offset, headers): a new name for each layout, so
+    // that the state of an earlier batcher is never read as this one. "pending-routed" held
+    // Row(model, version, uri, payload), "pending" (before routes) Row(uri, payload).
+    private static final String PENDING_STATE = "pending-sourced";
+    private static final String ROUTED_PENDING_STATE = "pending-routed";
     private static final String LEGACY_PENDING_STATE = "pending";
     private static final String TABLE_STATE = "routing-table";
     private static final int URI = 0;
@@ -73,6 +75,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private static final int MODEL = 2;
     private static final int VERSION = 3;
     private static final int CONTROL = 4;
+    private static final int PARTITION = 5;
+    private static final int OFFSET = 6;
+    private static final int HEADERS = 7;
     private static final long MAX_CLOCK_SKEW_MS = 3_600_000;
 
     private final String tableText;
@@ -118,18 +123,29 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         if (table == null) {
             table = RoutingTable.parse(tableText);
         }
-        checkpointed = store.getListState(new ListStateDescriptor<>(
-            PENDING_STATE, Types.ROW(Types.STRING, Types.STRING, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
+        checkpointed = store.getListState(new ListStateDescriptor<>(PENDING_STATE, Types.ROW(
+            Types.STRING, Types.STRING, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE), Types.INT, Types.LONG,
+            Types.PRIMITIVE_ARRAY(Types.BYTE))));
         restored = new ArrayList<>();
         for (Row request : checkpointed.get()) {
             restored.add(request);
+        }
+        if (store.getRegisteredStateNames().contains(ROUTED_PENDING_STATE)) {
+            // A checkpoint of the batcher before sources: where its requests came from is not known.
+            ListState<Row> routed = store.getListState(new ListStateDescriptor<>(ROUTED_PENDING_STATE,
+                Types.ROW(Types.STRING, Types.STRING, Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
+            for (Row request : routed.get()) {
+                restored.add(Row.of(request.getField(0), request.getField(1), request.getField(2), request.getField(3),
+                    -1, -1L, null));
+            }
+            routed.clear();
         }
         if (store.getRegisteredStateNames().contains(LEGACY_PENDING_STATE)) {
             // A checkpoint of the batcher before routes: its requests were all for the one model.
             ListState<Row> legacy = store.getListState(new ListStateDescriptor<>(
                 LEGACY_PENDING_STATE, Types.ROW(Types.STRING, Types.PRIMITIVE_ARRAY(Types.BYTE))));
             for (Row request : legacy.get()) {
-                restored.add(Row.of("", "", request.getField(0), request.getField(1)));
+                restored.add(Row.of("", "", request.getField(0), request.getField(1), -1, -1L, null));
             }
             legacy.clear();
         }
@@ -144,8 +160,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         // Restored requests batch like new ones: flushed when full, at their route's max delay, or,
         // with none, once the input has nothing more ready.
         for (Row request : restored) {
-            add(new Route((String) request.getField(0), (String) request.getField(1)),
-                Row.of(request.getField(2), request.getField(3)));
+            add(new Route((String) request.getField(0), (String) request.getField(1)), Row.of(
+                request.getField(2), request.getField(3), request.getField(0), request.getField(1), false,
+                request.getField(4), request.getField(5), request.getField(6)));
         }
         restored = null;
     }
@@ -182,7 +199,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         for (Map.Entry<Route, Batch> batch : pending.entrySet()) {
             Route route = batch.getKey();
             for (Row request : batch.getValue().requests) {
-                requests.add(Row.of(route.model, route.version, request.getField(URI), request.getField(PAYLOAD)));
+                requests.add(Row.of(route.model, route.version, request.getField(URI), request.getField(PAYLOAD),
+                    orElse(BatchFrames.field(request, PARTITION), -1), orElse(BatchFrames.field(request, OFFSET), -1L),
+                    BatchFrames.field(request, HEADERS)));
             }
         }
         checkpointed.update(requests);
@@ -292,6 +311,10 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
             LOG.warn("ignoring {}: not a routing table ({})", what, e.getMessage());
             return null;
         }
+    }
+
+    private static Object orElse(Object value, Object otherwise) {
+        return value == null ? otherwise : value;
     }
 
     private static String text(Row request, int field) {
