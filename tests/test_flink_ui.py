@@ -15,7 +15,7 @@ from tests.conftest import assert_served
 DATA_FLOW = [
     "Source: kafka-requests", "micro-batch", "infer", "split-results", "kafka-results: Writer", "kafka-results: Committer",
 ]
-METRICS = ["requests", "decodeErrors", "batchSize", "inferenceTimeUs", "inferenceErrors"]
+METRICS = ["requests", "decodeErrors", "deadlineExceeded", "batchSize", "inferenceTimeUs", "inferenceErrors", "requestsServed", "deadLetters"]
 # The web UI's metric picker is 300 px wide: about 40 characters of a metric's name show.
 PICKER_CHARS = 40
 # A log record's first line: its timestamp, then what repeats if the record does.

@@ -3,8 +3,9 @@ the job, and a stopped and restarted job all end with every uri answered exactly
 OutputQueue (at least once: replays collapsed and counted). With delivery exactly_once the SIGKILL
 run must show a read_committed reader every uri exactly once, with no replay to collapse: the
 results written again after the kill sit in aborted transactions, visible only to read_uncommitted.
-Both SIGKILL runs send 10,000 requests to the local Kafka broker (KAFKA_BOOTSTRAP=host:port runs
-the exactly-once one against another Kafka)."""
+The same holds for the dead letters of the bad requests sent among them: each on the dead-letter
+topic once, as it was sent. Both SIGKILL runs send 10,000 requests to the local Kafka broker
+(KAFKA_BOOTSTRAP=host:port runs the exactly-once one against another Kafka)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from kafka import KafkaProducer
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.config import ServingConfig, load_config
@@ -28,6 +30,9 @@ from tests.conftest import collect
 from tests.failing_job import FAILURE
 
 KILL_COUNT = 10_000
+# Requests that cannot be read, sent with the exactly-once run's: each must have one error result
+# and one dead letter.
+BAD_COUNT = 500
 FAIL_COUNT = 2_000
 OTHER_KAFKA = os.environ.get("KAFKA_BOOTSTRAP", "")
 
@@ -77,12 +82,37 @@ def send(config: ServingConfig, features: np.ndarray, first: int = 0, rate: floa
     return ThreadPoolExecutor(max_workers=1).submit(produce)
 
 
-def check_all_answered_once(config: ServingConfig, features: np.ndarray, timeout: float) -> dict:
-    """Every uri's one visible result equals ONNX Runtime's; returns the figures to print."""
+def bad_request(i: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """The key, value and headers of bad request i: not a message at all, with a header of its own."""
+    return f"bad-{i}".encode(), b"\x00not a request " + str(i).encode(), [("trace-id", f"t-{i}".encode())]
+
+
+def send_bad(config: ServingConfig, count: int, rate: float) -> Future[int]:
+    """Sends `count` bad requests in the background at `rate` a second, as send() does good ones."""
+    def produce() -> int:
+        producer = KafkaProducer(bootstrap_servers=config.kafka.bootstrap_servers)
+        started = time.monotonic()
+        for i in range(count):
+            time.sleep(max(0.0, started + i / rate - time.monotonic()))
+            key, value, headers = bad_request(i)
+            producer.send(config.kafka.input_topic, key=key, value=value, headers=headers)
+        producer.flush()
+        producer.close()
+        return count
+
+    return ThreadPoolExecutor(max_workers=1).submit(produce)
+
+
+def check_all_answered_once(config: ServingConfig, features: np.ndarray, timeout: float, bad: int = 0) -> dict:
+    """Every uri's one visible result equals ONNX Runtime's, and each of the `bad` requests has
+    its error result; returns the figures to print."""
     kafka = config.kafka
     with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
-        results = collect(outputs, len(features), timeout)
+        results = collect(outputs, len(features) + bad, timeout)
         duplicates = outputs.store.duplicates
+    refused = {f"bad-{i}" for i in range(bad)}
+    assert all(results[uri].error_code == "bad_request" for uri in refused & set(results))
+    results = {uri: result for uri, result in results.items() if uri not in refused}
     expected = ort.InferenceSession(str(config.model.path)).run(None, {"features": features})[0]
     missing = [i for i in range(len(features)) if f"req-{i}" not in results]
     wrong = [i for i in range(len(features)) if f"req-{i}" in results
@@ -104,14 +134,26 @@ def test_exactly_once_sigkill_shows_every_result_once(broker, sample_model: Path
                             kafka={"delivery": "exactly_once", "partitions": 4},
                             batching={"batch_size": 32, "max_delay_ms": 20}, flink={"checkpoint_interval_ms": 1000})
     config = load_config(path)
-    figures = kill_and_restart(path, config, KILL_COUNT, tmp_path)  # OutputQueue reads read_committed
+    figures = kill_and_restart(path, config, KILL_COUNT, tmp_path, bad=BAD_COUNT)  # OutputQueue reads read_committed
     figures["results read_uncommitted (aborted included)"] = count_results(config, "read_uncommitted")
     figures["results read_committed"] = count_results(config, "read_committed")
+    dead_letters = topic_records(config.kafka.bootstrap_servers, config.kafka.dead_letters, "read_committed")
+    figures["dead letters read_committed"] = len(dead_letters)
     print(json.dumps(figures))
     assert figures["duplicates collapsed"] == 0, "a read_committed reader saw a result twice"
-    assert figures["results read_committed"] == KILL_COUNT
-    assert figures["results read_uncommitted (aborted included)"] > KILL_COUNT, (
+    assert figures["results read_committed"] == KILL_COUNT + BAD_COUNT
+    assert figures["results read_uncommitted (aborted included)"] > KILL_COUNT + BAD_COUNT, (
         "no result was written twice, so the kill did not test the transactions")
+    assert sorted(letter.key for letter in dead_letters) == sorted(bad_request(i)[0] for i in range(BAD_COUNT))
+    sent = {(record.partition, record.offset): record.key
+            for record in topic_records(config.kafka.bootstrap_servers, config.kafka.input_topic)}
+    for letter in dead_letters:
+        key, value, headers = bad_request(int(letter.key.decode().removeprefix("bad-")))
+        got = dict(letter.headers)
+        assert letter.value == value and got["trace-id"] == headers[0][1], "a dead letter is not the request as sent"
+        assert got["cluster-serving-error-code"] == b"bad_request"
+        assert got["cluster-serving-source-topic"] == config.kafka.input_topic.encode()
+        assert sent[int(got["cluster-serving-source-partition"]), int(got["cluster-serving-source-offset"])] == key
 
 
 class StartedByCli(EmbeddedJob):
@@ -124,24 +166,27 @@ class StartedByCli(EmbeddedJob):
         self.args = ["start", "--no-http", "--config", str(config_path)]
 
 
-def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path) -> dict:
+def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path, bad: int = 0) -> dict:
     """SIGKILLs the job once a third of the results are written, starts it again with
-    `cluster-serving start` and checks that every uri is answered once; returns the figures."""
+    `cluster-serving start` and checks that every uri is answered once, `bad` bad requests sent
+    among the good ones; returns the figures."""
     features = np.random.default_rng(3).normal(size=(count, FEATURES)).astype(np.float32)
     first = EmbeddedJob(path, config.flink.rest_port, log_path=folder / "job-1.log").start()
     second = StartedByCli(path, config.flink.rest_port, log_path=folder / "job-2.log")
     try:
         producer = send(config, features)
+        bad_producer = send_bad(config, bad, bad * SEND_RATE / count) if bad else None
         deadline = time.monotonic() + 120
         while (results_written(config) < count // 3 or not transaction_open(config)) and time.monotonic() < deadline:
             time.sleep(0.05)
         at_kill = results_written(config)
         first.kill()
         assert producer.result() == count
+        assert bad_producer is None or bad_producer.result() == bad
         assert 0 < at_kill < count, f"the kill did not land mid-stream ({at_kill} results written)"
         restarted = time.monotonic()
         second.start()
-        figures = check_all_answered_once(config, features, timeout=240)
+        figures = check_all_answered_once(config, features, timeout=240, bad=bad)
         figures |= {"results written before SIGKILL": at_kill, "seconds from restart to all answered": round(time.monotonic() - restarted, 1)}
     finally:
         first.stop()

@@ -17,7 +17,6 @@ from pyflink.datastream.connectors.base import DeliveryGuarantee
 from pyflink.datastream.connectors.kafka import (
     KafkaOffsetResetStrategy,
     KafkaOffsetsInitializer,
-    KafkaRecordSerializationSchema,
     KafkaSink,
     KafkaSource,
 )
@@ -91,11 +90,9 @@ def result_sink(kafka: KafkaConfig) -> KafkaSink:
     topic, at least once, or exactly once in transactions committed with each checkpoint
     (kafka.delivery): one sink, so that a dead letter commits with its error result."""
     schema = get_gateway().jvm.clusterserving.flink.ResultRecordSerializationSchema(kafka.result_topic, kafka.dead_letters)
-    builder = (
-        KafkaSink.builder()
-        .set_bootstrap_servers(kafka.bootstrap_servers)
-        .set_record_serializer(KafkaRecordSerializationSchema(schema))
-    )
+    builder = KafkaSink.builder().set_bootstrap_servers(kafka.bootstrap_servers)
+    # PyFlink's set_record_serializer expects a schema of Flink's own builder (it reads its fields).
+    builder._j_builder.setRecordSerializer(schema)
     properties = dict(SINK_PROPERTIES)
     if kafka.exactly_once:
         builder.set_delivery_guarantee(DeliveryGuarantee.EXACTLY_ONCE)

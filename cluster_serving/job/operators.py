@@ -65,17 +65,20 @@ class ServeBatch(MapFunction):
 
     @staticmethod
     def _meters(group) -> tuple:
-        return group.distribution("batchSize"), group.distribution("inferenceTimeUs"), group.counter("inferenceErrors")
+        """Batch sizes, times in serve, failed requests and requests served (the model's runs)."""
+        return (group.distribution("batchSize"), group.distribution("inferenceTimeUs"), group.counter("inferenceErrors"),
+                group.counter("requestsServed"))
 
     def _count(self, stats: BatchStats) -> None:
         """The job's totals and the same per model and version (Flink UI: ...cluster_serving.model.<name>.version.<v>)."""
         key = stats.model, stats.version
         if key not in self.per_version:
             self.per_version[key] = self._meters(self.metrics.add_group("model", stats.model).add_group("version", str(stats.version)))
-        for sizes, times, errors in (self.per_version[key], self.totals):
+        for sizes, times, errors, served in (self.per_version[key], self.totals):
             sizes.update(stats.size)
             times.update(stats.elapsed_us)
             errors.inc(stats.failed)
+            served.inc(stats.size)
 
 
 class EncodeResults(MapFunction):

@@ -159,7 +159,8 @@ public final class BatchFrames {
             Object partition = field(record, PARTITION);
             Object offset = field(record, OFFSET);
             byte[] headers = (byte[]) field(record, HEADERS);
-            frame.putInt(partition == null ? -1 : (Integer) partition).putLong(offset == null ? -1 : (Long) offset);
+            frame.putInt(partition == null ? -1 : ((Number) partition).intValue())
+                .putLong(offset == null ? -1 : ((Number) offset).longValue());
             frame.putInt(headers == null ? NO_URI : headers.length);
             if (headers != null) {
                 frame.put(headers);
