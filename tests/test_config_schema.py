@@ -52,7 +52,7 @@ def test_messages_name_the_key_in_the_users_terms(overrides: dict, message: str)
     [
         # A typo is named before any bad value, wherever it is.
         ({"batching.batch_size": 0, "kafka.topic": "x"}, "kafka.topic: unknown key (known: bootstrap_servers, "
-         "delivery, group_id, input_topic, partitions, properties, result_topic, transaction_timeout_ms)"),
+         "dead_letter_topic, delivery, group_id, input_topic, partitions, properties, result_topic, transaction_timeout_ms)"),
         ({"testing.fail_inference_at_batch": 1}, "testing: unknown key (known: batching, device, flink, http, "
          "kafka, limits, model, models, postprocess, preprocess)"),
         ({"source": "elsewhere.yaml"}, "source: unknown key"),
@@ -106,3 +106,9 @@ def test_sections_are_immutable_hashable_and_picklable() -> None:
         assert cached(section) is cached(type(section).model_validate(section.model_dump()))
     copy = pickle.loads(pickle.dumps(config))  # PyFlink ships the sections to its workers
     assert isinstance(copy, ServingConfig) and copy == config and copy.source == config.source
+
+
+@pytest.mark.parametrize(("value", "topic"), [(None, "serving_stream.dlq"), ("", None), (" failed ", "failed")])
+def test_the_dead_letter_topic(value: str | None, topic: str | None) -> None:
+    overrides = {} if value is None else {"kafka.dead_letter_topic": value}
+    assert load_config(overrides=overrides).kafka.dead_letters == topic

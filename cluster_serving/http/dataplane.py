@@ -41,7 +41,7 @@ from cluster_serving.kafka.admin import READ_COMMITTED, broker_reachable, ensure
 from cluster_serving.kafka.clients import RequestProducer, librdkafka_settings
 from cluster_serving.net.flink_rest import FlinkRest
 from cluster_serving.wire.codec import Message
-from cluster_serving.wire.inputs import encode_request
+from cluster_serving.wire.inputs import deadline_headers, encode_request
 
 log = logging.getLogger("cluster_serving.http")
 READINESS_TTL_S = 1.0
@@ -198,10 +198,12 @@ class Bridge:
             self.metrics.record_model_request(target.model, version, time.perf_counter() - started, ok=bool(results))
 
     async def infer(self, request: Request) -> list[Message]:
-        """Enqueues each instance under a fresh uri and returns their results in order; the first
+        """Enqueues each instance under a fresh uri, with the bridge's timeout as its deadline (the
+        job does not run what nobody waits for), and returns their results in order; the first
         error result fails the whole request."""
         await self.require_ready()
-        instances, headers = request.instances, request.target.headers
+        instances = request.instances
+        headers = request.target.headers + deadline_headers(self.config.http.request_timeout_s)
         with self.metrics.time_enqueue():
             records = [(f"{self.uri_prefix}{next(self._sequence)}", data) for data in instances]
             payloads = [self._encode(i, uri, data) for i, (uri, data) in enumerate(records)]

@@ -19,6 +19,7 @@ from pyflink.datastream.connectors.kafka import (
     KafkaOffsetsInitializer,
     KafkaSink,
     KafkaSource,
+    KafkaTopicPartition,
 )
 from pyflink.java_gateway import get_gateway
 
@@ -45,18 +46,36 @@ COMMITTER_GAUGE_COLLISION = r"Name collision: Group already contains a Metric wi
 def request_source(kafka: KafkaConfig, control_key: bytes) -> KafkaSource:
     """Reads REQUEST_ROW rows from the input topic, resuming from the group's committed offsets;
     control records are kept only when signed with `control_key` (cluster_serving/job/control_key.py)."""
-    jvm = get_gateway().jvm
+    builder = _source_builder(kafka).set_starting_offsets(
+        KafkaOffsetsInitializer.committed_offsets(KafkaOffsetResetStrategy.EARLIEST))
+    builder._j_builder.setDeserializer(get_gateway().jvm.clusterserving.flink.KeyValueDeserializationSchema(control_key.hex()))
+    return builder.build()
+
+
+def replay_source(kafka: KafkaConfig, starts: dict[int, int], stops: dict[int, int],
+                  route: tuple[str, str | None] | None) -> KafkaSource:
+    """Reads the input topic's records from `starts` to `stops` (partition -> offset) as
+    REQUEST_ROW rows, and ends there: a bounded source. Control records are dropped; with a
+    `route` (model, version or None), every request is routed to it."""
     builder = (
-        KafkaSource.builder()
-        .set_bootstrap_servers(kafka.bootstrap_servers)
-        .set_topics(kafka.input_topic)
-        .set_group_id(kafka.group_id)
-        .set_starting_offsets(KafkaOffsetsInitializer.committed_offsets(KafkaOffsetResetStrategy.EARLIEST))
+        _source_builder(kafka)
+        .set_starting_offsets(KafkaOffsetsInitializer.offsets(_positions(kafka.input_topic, starts)))
+        .set_bounded(KafkaOffsetsInitializer.offsets(_positions(kafka.input_topic, stops)))
     )
+    model, version = route or (None, None)
+    builder._j_builder.setDeserializer(get_gateway().jvm.clusterserving.flink.KeyValueDeserializationSchema.replaying(model, version))
+    return builder.build()
+
+
+def _source_builder(kafka: KafkaConfig):
+    builder = KafkaSource.builder().set_bootstrap_servers(kafka.bootstrap_servers).set_topics(kafka.input_topic).set_group_id(kafka.group_id)
     for key, value in KafkaConnection.of(kafka).java(SOURCE_PROPERTIES).items():
         builder.set_property(key, value)
-    builder._j_builder.setDeserializer(jvm.clusterserving.flink.KeyValueDeserializationSchema(control_key.hex()))
-    return builder.build()
+    return builder
+
+
+def _positions(topic: str, offsets: dict[int, int]) -> dict[KafkaTopicPartition, int]:
+    return {KafkaTopicPartition(topic, partition): offset for partition, offset in offsets.items()}
 
 
 def drop_committer_gauge_warning() -> None:

@@ -21,6 +21,7 @@ from py4j.java_gateway import JavaObject
 from pyflink.common import Configuration, WatermarkStrategy
 from pyflink.common.job_client import JobClient
 from pyflink.datastream import MapFunction, StreamExecutionEnvironment
+from pyflink.datastream.connectors.kafka import KafkaSource
 from pyflink.java_gateway import get_gateway
 
 if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` runs this file as a plain script
@@ -112,15 +113,16 @@ def infer_stage(config: ServingConfig) -> MapFunction:
 
 
 def build_pipeline(
-    env: StreamExecutionEnvironment, config: ServingConfig, table: RoutingTable, key: bytes,
+    env: StreamExecutionEnvironment, config: ServingConfig, table: RoutingTable, source: KafkaSource,
     infer: InferStage = infer_stage,
 ) -> None:
-    """Wires the stages; each stage is one module of this package. The operators' short names are
-    what the Flink web UI shows as the job's graph and in its metrics' names
-    (`0.infer.cluster_serving.batchSize`); their descriptions, shown with them, say more."""
+    """Wires the stages from `source` (kafka_io's request_source, or a replay's); each stage is one
+    module of this package. The operators' short names are what the Flink web UI shows as the
+    job's graph and in its metrics' names (`0.infer.cluster_serving.batchSize`); their
+    descriptions, shown with them, say more."""
     kafka = config.kafka
     requests = env.from_source(
-        request_source(kafka, key), WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
+        source, WatermarkStrategy.no_watermarks(), "kafka-requests", REQUEST_ROW
     ).set_description(f"Kafka topic {kafka.input_topic}, group {kafka.group_id}")
     batches = micro_batches(requests, table.text(), config.limits.max_instance_bytes).uid("micro-batch-jvm").set_description(
         "in the JVM: a batch per model and version, at its batch_size requests, max_delay_ms after its first,"
@@ -191,14 +193,15 @@ def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
     return checkpoint
 
 
-def create_environment(config: ServingConfig, resume_from: Path | None) -> StreamExecutionEnvironment:
+def create_environment(config: ServingConfig, resume_from: Path | None, checkpoints: bool = True) -> StreamExecutionEnvironment:
     log_dir = prepare_process_environment(config)
     env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, resume_from))
     configure_logging()
     log.info("Flink log folder: %s", log_dir)
     env.add_jars(*(jar.as_uri() for jar in pipeline_jars(config.flink)))
     env.set_parallelism(config.flink.parallelism)
-    env.enable_checkpointing(config.flink.checkpoint_interval_ms)
+    if checkpoints:
+        env.enable_checkpointing(config.flink.checkpoint_interval_ms)
     return env
 
 
@@ -229,7 +232,7 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     table = RoutingTable.of(repository)
     key = control_key(config.flink.checkpoint_dir)
     env = create_environment(config, resume_point(config, fresh))
-    build_pipeline(env, config, table, key, infer)
+    build_pipeline(env, config, table, request_source(config.kafka, key), infer)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
     log.info(

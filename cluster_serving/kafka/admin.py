@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import confluent_kafka
@@ -150,6 +151,28 @@ def refusal(kafka: KafkaConfig, timeout_s: float = 3.0) -> str | None:
 
 def _partitions(consumer: KafkaConsumer, topic: str) -> list[TopicPartition]:
     return [TopicPartition(topic, pid) for pid in sorted(consumer.partitions_for_topic(topic) or ())]
+
+
+def log_positions(kafka: KafkaConfig, topic: str, at: int | datetime | None) -> dict[int, int]:
+    """Each partition's offset in `topic` at `at`: an int is that offset in every partition (kept
+    within the records the partition holds), a datetime the first record written at or after it
+    (the end when none), None the end now."""
+    consumer = KafkaConsumer(**KafkaConnection.of(kafka).kafka_python())
+    try:
+        partitions = _partitions(consumer, topic)
+        if not partitions:
+            raise ConfigError(f"topic {topic!r} does not exist at {kafka.bootstrap_servers}")
+        first, ends = consumer.beginning_offsets(partitions), consumer.end_offsets(partitions)
+        if at is None:
+            found = ends
+        elif isinstance(at, datetime):
+            times = consumer.offsets_for_times({tp: int(at.timestamp() * 1000) for tp in partitions})
+            found = {tp: ends[tp] if times[tp] is None else times[tp].offset for tp in partitions}
+        else:
+            found = {tp: at for tp in partitions}
+        return {tp.partition: min(max(found[tp], first[tp]), ends[tp]) for tp in partitions}
+    finally:
+        consumer.close()
 
 
 def end_offsets(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:

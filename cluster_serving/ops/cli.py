@@ -9,6 +9,8 @@
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving cluster up|submit|status|down
                                                a local standalone Flink cluster, and the job on it
+    cluster-serving replay --from T --into TOPIC [--model M --version V] [--compare]
+                                               a range of the request log served again into a side topic
     cluster-serving demo                       broker + job + sample requests, printed results
     cluster-serving bench                      end-to-end benchmark against raw ONNX Runtime
     cluster-serving bench stage                the serving stage alone (no Kafka, no Flink) against raw ONNX Runtime
@@ -39,6 +41,8 @@ from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob,
 from cluster_serving.ops.demo import run_demo
 from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from cluster_serving.ops.local_broker import BrokerError
+from cluster_serving.ops.replay import add_arguments as replay_arguments
+from cluster_serving.ops.replay import replay
 from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
 from cluster_serving.ops.sample_model import build_sample_model
 
@@ -184,6 +188,10 @@ def cmd_http(args: argparse.Namespace) -> int:
     return serve(args.config)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    return replay(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Refused, before anything is written or started, while another demo runs in the folder or
     another instance uses its ports (the demo's fixed 9092, 8081, 10020)."""
@@ -268,6 +276,8 @@ def parser() -> argparse.ArgumentParser:
 
     http = command("http", "run the HTTP bridge alone (for a job running elsewhere)", cmd_http)
     http.add_argument("--config", "-c", help=CONFIG_HELP)
+
+    replay_arguments(command("replay", "serve a range of the request log again into a side topic (and compare)", cmd_replay), CONFIG_HELP)
 
     demo = command("demo", "broker + job + sample requests with printed predictions", cmd_demo)
     demo.add_argument("--folder", default="run/demo", help="where the demo's config, model, logs and broker data go")

@@ -24,7 +24,11 @@ public final class HeaderBlock {
 
     /** The headers whose names are not in `skipped`, or null when there are none. */
     public static byte[] encode(Headers headers, Set<String> skipped) {
+        if (!hasOthers(headers, skipped)) {
+            return null;
+        }
         ByteArrayOutputStream block = new ByteArrayOutputStream();
+        writeInt(block, 0);  // the count, set below
         int count = 0;
         for (Header header : headers) {
             if (skipped.contains(header.key())) {
@@ -40,12 +44,18 @@ public final class HeaderBlock {
             }
             count++;
         }
-        if (count == 0) {
-            return null;
-        }
         byte[] bytes = block.toByteArray();
-        ByteBuffer withCount = ByteBuffer.allocate(4 + bytes.length).order(ByteOrder.LITTLE_ENDIAN);
-        return withCount.putInt(count).put(bytes).array();
+        ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN).putInt(0, count);
+        return bytes;
+    }
+
+    private static boolean hasOthers(Headers headers, Set<String> skipped) {
+        for (Header header : headers) {
+            if (!skipped.contains(header.key())) {
+                return true;
+            }
+        }
+        return false;
     }
 
     /** The headers of a block. */

@@ -31,6 +31,10 @@ import org.slf4j.LoggerFactory;
  * when its `cluster-serving-signature` header is the HMAC-SHA256 of its value under the job's key
  * (cluster_serving/job/control_key.py). Any other is dropped here, counted in the metric
  * `forgedControlRecords` and logged (the first, then at every power of two), never routed.
+ *
+ * <p>A replay (`replaying`) serves a range of the log again with a table of its own: it drops
+ * every control record, and may route every request to one model and version instead of its
+ * headers'.
  */
 public final class KeyValueDeserializationSchema implements KafkaRecordDeserializationSchema<Row> {
     private static final long serialVersionUID = 1L;
@@ -44,6 +48,10 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
     private static final Set<String> ROUTE_HEADERS = Set.of(MODEL_HEADER, VERSION_HEADER);
 
     private final byte[] controlKey;
+    // A replay's: no control key (control records dropped) and the route it may force.
+    private final boolean replay;
+    private final String routeModel;
+    private final String routeVersion;
     private transient Mac mac;
     private transient Counter forged;
     private transient long forgedSeen;
@@ -57,12 +65,29 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         for (int i = 0; i < controlKey.length; i++) {
             controlKey[i] = (byte) Integer.parseInt(controlKeyHex.substring(2 * i, 2 * i + 2), 16);
         }
+        replay = false;
+        routeModel = null;
+        routeVersion = null;
+    }
+
+    private KeyValueDeserializationSchema(String model, String version) {
+        controlKey = new byte[0];
+        replay = true;
+        routeModel = model;
+        routeVersion = version;
+    }
+
+    /** A replay's schema: control records dropped; with a `model`, every request routed to it and `version` (null: its newest). */
+    public static KeyValueDeserializationSchema replaying(String model, String version) {
+        return new KeyValueDeserializationSchema(model, version);
     }
 
     @Override
     public void open(DeserializationSchema.InitializationContext context) throws Exception {
-        mac = Mac.getInstance(HMAC);
-        mac.init(new SecretKeySpec(controlKey, HMAC));
+        if (!replay) {
+            mac = Mac.getInstance(HMAC);
+            mac.init(new SecretKeySpec(controlKey, HMAC));
+        }
         forged = context.getMetricGroup().counter("forgedControlRecords");
     }
 
@@ -71,12 +96,17 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         byte[] key = record.key();
         String uri = key == null ? null : new String(key, StandardCharsets.UTF_8);
         boolean control = record.headers().lastHeader(CONTROL_HEADER) != null;
+        if (control && replay) {
+            return;
+        }
         if (control && !signed(record)) {
             dropForged(record);
             return;
         }
+        boolean routed = routeModel != null;
         out.collect(Row.of(
-            uri, record.value(), header(record, MODEL_HEADER), header(record, VERSION_HEADER), control,
+            uri, record.value(), routed ? routeModel : header(record, MODEL_HEADER),
+            routed ? routeVersion : header(record, VERSION_HEADER), control,
             record.partition(), record.offset(), control ? null : HeaderBlock.encode(record.headers(), ROUTE_HEADERS)));
     }
 
