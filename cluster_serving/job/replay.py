@@ -20,7 +20,6 @@ from collections.abc import Callable
 from cluster_serving.config import ConfigError, ServingConfig
 from cluster_serving.job.kafka_io import replay_source
 from cluster_serving.job.main import build_pipeline, create_environment
-from cluster_serving.kafka.admin import ensure_topics
 from cluster_serving.runtime.repository import Repository, RoutingTable
 
 log = logging.getLogger("cluster_serving.job")
@@ -63,7 +62,6 @@ def run_replay(
 ) -> None:
     """Runs the replay job (`config` a replay_config) to its end, calling `progress` every second.
     Its Flink log goes to the `replay` folder of the live job's, so that neither writes the other's."""
-    ensure_topics(config.kafka)
     os.environ.setdefault("FLINK_LOG_DIR", str(config.flink_log_dir / "replay"))
     table = replay_table(repository, route)
     env = create_environment(config, None, checkpoints=False)
@@ -71,10 +69,13 @@ def run_replay(
     build_pipeline(env, config, table, replay_source(config.kafka, starts, stops, forced))
     client = env.execute_async(REPLAY_JOB_NAME)
     log.info("replay job %s submitted: serving %s into %s", client.get_job_id(), table.describe(), config.kafka.result_topic)
-    while not client.get_job_status().result().is_globally_terminal_state():
+    # The embedded cluster closes with the job, so its end is awaited, not polled for.
+    ended = client.get_job_execution_result()
+    while not ended.done():
         progress()
         time.sleep(1)
-    status = client.get_job_status().result()
-    progress()
-    if status.name != "FINISHED":
-        raise RuntimeError(f"the replay job ended {status.name} (see the Flink log in {config.flink_log_dir})")
+    try:
+        ended.result()
+    except Exception as exc:  # py4j's error around the job's failure
+        raise RuntimeError(f"the replay job failed: {str(exc).splitlines()[0]} (see the Flink log in "
+                           f"{os.environ['FLINK_LOG_DIR']})") from None

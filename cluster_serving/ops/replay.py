@@ -12,6 +12,7 @@ says how they differ for the same uris: the check to make before promoting a ver
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from datetime import datetime
 import numpy as np
 
 from cluster_serving.config import ConfigError, KafkaConfig, ServingConfig, load_config
-from cluster_serving.kafka.admin import end_offsets, ensure_topics, log_positions, records_written, topic_records
+from cluster_serving.kafka.admin import end_offsets, log_positions, records_written, topic_records
 from cluster_serving.wire.codec import Message, decode_message
 
 # A result read back from a topic may be as large as a record.
@@ -130,13 +131,14 @@ def replay(args: argparse.Namespace) -> int:
     if args.into in (config.kafka.input_topic, config.kafka.result_topic):
         raise ConfigError(f"--into {args.into}: the replay writes to a side topic, not the job's own")
     configure_logging()
-    repository = preflight(config)
+    # The range is read with consumers of no group, on purpose: kafka-python warns of each.
+    logging.getLogger("kafka.coordinator.consumer").setLevel(logging.ERROR)
+    side = replay_config(config, args.into)
+    repository = preflight(side)  # the side topic made, the models checked, the live job's port left alone
     starts = log_positions(config.kafka, config.kafka.input_topic, args.start)
     stops = log_positions(config.kafka, config.kafka.input_topic, args.stop)
     stops = {partition: max(stop, starts[partition]) for partition, stop in stops.items()}
     total = sum(stops[partition] - starts[partition] for partition in stops)
-    side = replay_config(config, args.into)
-    ensure_topics(side.kafka)
     since = end_offsets(side.kafka.bootstrap_servers, args.into)
     print(f"replay: {total} records of {config.kafka.input_topic} (partition: from..to "
           f"{', '.join(f'{p}: {starts[p]}..{stops[p]}' for p in sorted(starts))}) into {args.into}", file=sys.stderr)
