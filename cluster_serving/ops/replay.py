@@ -21,7 +21,13 @@ from datetime import datetime
 import numpy as np
 
 from cluster_serving.config import ConfigError, KafkaConfig, ServingConfig, load_config
-from cluster_serving.kafka.admin import end_offsets, log_positions, records_written, topic_records
+from cluster_serving.kafka.admin import (
+    end_offsets,
+    log_positions,
+    records_written,
+    topic_records,
+)
+from cluster_serving.runtime.repository import scan
 from cluster_serving.wire.codec import Message, decode_message
 
 # A result read back from a topic may be as large as a record.
@@ -123,7 +129,7 @@ class Progress:
 def replay(args: argparse.Namespace) -> int:
     """The `replay` command: plan, run, report (and compare)."""
     from cluster_serving.job.main import configure_logging, preflight
-    from cluster_serving.job.replay import replay_config, run_replay
+    from cluster_serving.job.replay import replay_config, replay_table, run_replay
 
     if args.version is not None and args.model is None:
         raise ConfigError("--version needs --model: the model whose version serves the replay")
@@ -134,6 +140,8 @@ def replay(args: argparse.Namespace) -> int:
     # The range is read with consumers of no group, on purpose: kafka-python warns of each.
     logging.getLogger("kafka.coordinator.consumer").setLevel(logging.ERROR)
     side = replay_config(config, args.into)
+    route = None if args.model is None else (args.model, args.version)
+    replay_table(scan(side), route)  # an unknown model or version refused before anything starts
     repository = preflight(side)  # the side topic made, the models checked, the live job's port left alone
     starts = log_positions(config.kafka, config.kafka.input_topic, args.start)
     stops = log_positions(config.kafka, config.kafka.input_topic, args.stop)
@@ -142,7 +150,6 @@ def replay(args: argparse.Namespace) -> int:
     since = end_offsets(side.kafka.bootstrap_servers, args.into)
     print(f"replay: {total} records of {config.kafka.input_topic} (partition: from..to "
           f"{', '.join(f'{p}: {starts[p]}..{stops[p]}' for p in sorted(starts))}) into {args.into}", file=sys.stderr)
-    route = None if args.model is None else (args.model, args.version)
     run_replay(side, repository, starts, stops, route, Progress(side, total))
     replayed = read_results(side.kafka, args.into, since)
     print(f"replayed: {len(replayed)} results written to {args.into}")
