@@ -147,9 +147,15 @@ class Stack:
     url: str
     folder: Path
     job: StandInJob
+    request_timeout_s: float
 
     def last_headers(self) -> dict[str, bytes]:
-        return self.job.headers[max(self.job.headers, key=lambda uri: int(uri.rsplit("-", 1)[1]))]
+        """The headers of the last request the bridge sent, but its deadline, which must be the
+        bridge's request timeout from when it was sent."""
+        headers = dict(self.job.headers[max(self.job.headers, key=lambda uri: int(uri.rsplit("-", 1)[1]))])
+        left_ms = int(headers.pop("deadline-ms")) - time.time() * 1000
+        assert 0 < left_ms <= self.request_timeout_s * 1000
+        return headers
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +173,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, broker: LocalBroker, sample_
     bridge = HttpBridge(config_path, log_path=folder / "bridge.log")
     try:
         bridge.start()
-        yield Stack(bridge.url, repository, job)
+        yield Stack(bridge.url, repository, job, config.http.request_timeout_s)
     finally:
         bridge.stop()
         job.close()
@@ -451,5 +457,6 @@ def test_every_error_code_has_its_http_status() -> None:
     assert set(RESULT_ERRORS) == set(ERROR_CODES)
     assert {code: http_status(RESULT_ERRORS[code]("x")) for code in ERROR_CODES} == {
         "bad_request": 400, "too_large": 413, "unknown_model": 404, "unknown_version": 404,
-        "preprocess_failed": 400, "inference_failed": 500, "postprocess_failed": 500, "internal": 500,
+        "preprocess_failed": 400, "inference_failed": 500, "postprocess_failed": 500, "deadline_exceeded": 504,
+        "internal": 500,
     }

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.kafka.admin import log_positions
-from cluster_serving.ops.replay import position
+from cluster_serving.job.replay import position
 from tests.conftest import collect
 from tests.onnx_models import WIDTH, graph_model
 

@@ -1,26 +1,43 @@
-"""Replay: a range of the request log served again into a side topic, by a bounded job beside the
-live one, through the repository as it is now or through one model version for every request.
+"""`cluster-serving replay`: a range of the request log served again into a side topic, by a bounded
+job beside the live one, through the repository as it is now or through one model version for
+every request; then, with `--compare`, how the side results differ from the live ones.
 
-The replay job is the live job's pipeline with another source and sink: it reads every partition
-of the input topic from its start to its stop offsets and ends there, under a group id of its own,
-without checkpoints (it commits nothing), without dead letters, and its results go to the side
-topic. Control records in the range are dropped: it serves the table it starts with. The live job
-is not touched. `cluster-serving replay` (cluster_serving/ops/replay.py) plans the range and
-compares the side results with the live ones.
+    cluster-serving replay --from 2026-11-26T10:00 [--to 2026-11-26T11:00] --model m --version 2 --into side --compare
+    (or python -m cluster_serving.job.replay ...)
+
+The range is positions of the input topic, the same in every partition: an offset, or a time (the
+first record written at or after it; ISO 8601, local time unless it names a zone); `--to` left out
+is the end of the log when the replay starts. The replay job is the live job's pipeline with
+another source and sink: it reads every partition from its start to its stop offsets and ends
+there, under a group id of its own, without checkpoints (it commits nothing), without dead letters,
+and its results go to the side topic. Control records in the range are dropped: it serves the
+table it starts with. The live job is not touched. The comparison is the check to make before
+promoting a version.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 
-from cluster_serving.config import ConfigError, ServingConfig
+import numpy as np
+
+from cluster_serving.config import ConfigError, KafkaConfig, ServingConfig, load_config
+from cluster_serving.config.command_line import config_parser
 from cluster_serving.job.kafka_io import replay_source
-from cluster_serving.job.main import build_pipeline, create_environment
-from cluster_serving.runtime.repository import Repository, RoutingTable
+from cluster_serving.job.main import build_pipeline, configure_logging, create_environment, preflight
+from cluster_serving.kafka.admin import end_offsets, log_positions, records_written, topic_records
+from cluster_serving.runtime.model import ModelError
+from cluster_serving.runtime.repository import Repository, RoutingTable, scan
+from cluster_serving.wire.codec import Message, decode_message
 
 log = logging.getLogger("cluster_serving.job")
 
@@ -79,3 +96,158 @@ def run_replay(
     except Exception as exc:  # py4j's error around the job's failure
         raise RuntimeError(f"the replay job failed: {str(exc).splitlines()[0]} (see the Flink log in "
                            f"{os.environ['FLINK_LOG_DIR']})") from None
+
+
+# A result read back from a topic may be as large as a record.
+RESULT_LIMIT = 64 << 20
+
+
+def position(text: str) -> int | datetime:
+    """`--from`/`--to`: an offset (digits) or an ISO 8601 time."""
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an offset nor a time such as 2026-11-26T10:00:00") from None
+    return moment if moment.tzinfo else moment.astimezone()
+
+
+@dataclass
+class Comparison:
+    """How the side results differ from the live ones, uri by uri."""
+
+    replayed: int = 0
+    matched: int = 0
+    top1_agree: int = 0
+    compared: int = 0
+    largest_difference: float = 0.0
+    side_errors: int = 0
+    live_errors: int = 0
+
+    def lines(self) -> list[str]:
+        share = f" ({100 * self.top1_agree / self.compared:.2f}%)" if self.compared else ""
+        return [
+            f"compared: {self.replayed} replayed results, {self.matched} with a live result for the same uri",
+            f"top-1 agreement: {self.top1_agree} of {self.compared}{share}",
+            f"largest absolute difference: {self.largest_difference:.6g}",
+            f"errors: {self.side_errors} in the replay, {self.live_errors} live",
+        ]
+
+
+def compare(side: dict[str, Message], live: dict[str, Message]) -> Comparison:
+    """Side and live results of the same uris: top-1 of the first output both have, and the largest
+    absolute difference over every output both have with one shape."""
+    found = Comparison(replayed=len(side))
+    for uri, replayed in side.items():
+        served = live.get(uri)
+        if served is None:
+            continue
+        found.matched += 1
+        found.side_errors += replayed.error is not None
+        found.live_errors += served.error is not None
+        common = [name for name in replayed.tensors if name in served.tensors
+                  and np.shape(replayed.tensors[name]) == np.shape(served.tensors[name])]
+        if replayed.error is not None or served.error is not None or not common:
+            continue
+        found.compared += 1
+        first = common[0]
+        found.top1_agree += int(np.argmax(replayed.tensors[first]) == np.argmax(served.tensors[first]))
+        for name in common:
+            difference = np.abs(np.asarray(replayed.tensors[name], np.float64) - np.asarray(served.tensors[name], np.float64))
+            found.largest_difference = max(found.largest_difference, float(difference.max(initial=0.0)))
+    return found
+
+
+def read_results(kafka: KafkaConfig, topic: str, since=None, uris: set[str] | None = None) -> dict[str, Message]:
+    """The results on `topic` (from `since`, or its start), the last one per uri, read_committed."""
+    results = {}
+    for record in topic_records(kafka.bootstrap_servers, topic, "read_committed", since=since):
+        uri = record.key.decode(errors="replace") if record.key else None
+        if uri is None or (uris is not None and uri not in uris):
+            continue
+        try:
+            results[uri] = decode_message(record.value, RESULT_LIMIT)
+        except Exception as exc:  # a record that is no result: a writer other than the job
+            print(f"replay: skipping a record of {topic} under uri={uri}: {exc}", file=sys.stderr)
+    return results
+
+
+class Progress:
+    """Prints, at most every 2 s, how many results the replay has written of the records in range."""
+
+    def __init__(self, config: ServingConfig, total: int):
+        self.config, self.total = config, total
+        self.started = self.shown = time.monotonic()
+        self.before = self._written()
+
+    def _written(self) -> int:
+        kafka = self.config.kafka
+        return records_written([kafka.result_topic], bootstrap_servers=kafka.bootstrap_servers)[kafka.result_topic]
+
+    def __call__(self) -> None:
+        if time.monotonic() - self.shown < 2:
+            return
+        self.shown = time.monotonic()
+        done = self._written() - self.before
+        rate = done / max(self.shown - self.started, 1e-9)
+        print(f"replay: {done} results of {self.total} records in range ({rate:.0f}/s)", file=sys.stderr)
+
+
+def replay(args: argparse.Namespace) -> int:
+    """The `replay` command: plan, run, report (and compare)."""
+    if args.version is not None and args.model is None:
+        raise ConfigError("--version needs --model: the model whose version serves the replay")
+    config = load_config(args.config)
+    if args.into in (config.kafka.input_topic, config.kafka.result_topic):
+        raise ConfigError(f"--into {args.into}: the replay writes to a side topic, not the job's own")
+    configure_logging()
+    # The range is read with consumers of no group, on purpose: kafka-python warns of each.
+    logging.getLogger("kafka.coordinator.consumer").setLevel(logging.ERROR)
+    side = replay_config(config, args.into)
+    route = None if args.model is None else (args.model, args.version)
+    replay_table(scan(side), route)  # an unknown model or version refused before anything starts
+    repository = preflight(side)  # the side topic made, the models checked, the live job's port left alone
+    starts = log_positions(config.kafka, config.kafka.input_topic, args.start)
+    stops = log_positions(config.kafka, config.kafka.input_topic, args.stop)
+    stops = {partition: max(stop, starts[partition]) for partition, stop in stops.items()}
+    total = sum(stops[partition] - starts[partition] for partition in stops)
+    since = end_offsets(side.kafka.bootstrap_servers, args.into)
+    print(f"replay: {total} records of {config.kafka.input_topic} (partition: from..to "
+          f"{', '.join(f'{p}: {starts[p]}..{stops[p]}' for p in sorted(starts))}) into {args.into}", file=sys.stderr)
+    run_replay(side, repository, starts, stops, route, Progress(side, total))
+    replayed = read_results(side.kafka, args.into, since)
+    print(f"replayed: {len(replayed)} results written to {args.into}")
+    if args.compare:
+        live = read_results(config.kafka, config.kafka.result_topic, uris=set(replayed))
+        for line in compare(replayed, live).lines():
+            print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser("cluster-serving replay", "serve a range of the request log again into a side topic (and compare)")
+    parser.add_argument("--from", dest="start", type=position, required=True, metavar="TIME|OFFSET",
+                        help="where the range starts in every partition: an offset, or an ISO 8601 time")
+    parser.add_argument("--to", dest="stop", type=position, metavar="TIME|OFFSET",
+                        help="where it ends (that record not included; default: the end of the log at start)")
+    parser.add_argument("--model", help="serve every request with this model (default: as each request names)")
+    parser.add_argument("--version", type=int, help="with --model: this version of it (default: its newest served)")
+    parser.add_argument("--into", required=True, metavar="TOPIC", help="the side topic the results go to")
+    parser.add_argument("--compare", action="store_true",
+                        help="then compare with the live results for the same uris: count, top-1 agreement, largest difference")
+    parser.add_argument("--verbose", action="store_true", help="on an error, print its traceback too")
+    args = parser.parse_args(argv)
+    try:
+        return replay(args)
+    except (ConfigError, ModelError, RuntimeError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -41,8 +41,6 @@ from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob,
 from cluster_serving.ops.demo import run_demo
 from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from cluster_serving.ops.local_broker import BrokerError
-from cluster_serving.ops.replay import add_arguments as replay_arguments
-from cluster_serving.ops.replay import replay
 from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
 from cluster_serving.ops.sample_model import build_sample_model
 
@@ -188,10 +186,6 @@ def cmd_http(args: argparse.Namespace) -> int:
     return serve(args.config)
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
-    return replay(args)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     """Refused, before anything is written or started, while another demo runs in the folder or
     another instance uses its ports (the demo's fixed 9092, 8081, 10020)."""
@@ -277,8 +271,6 @@ def parser() -> argparse.ArgumentParser:
     http = command("http", "run the HTTP bridge alone (for a job running elsewhere)", cmd_http)
     http.add_argument("--config", "-c", help=CONFIG_HELP)
 
-    replay_arguments(command("replay", "serve a range of the request log again into a side topic (and compare)", cmd_replay), CONFIG_HELP)
-
     demo = command("demo", "broker + job + sample requests with printed predictions", cmd_demo)
     demo.add_argument("--folder", default="run/demo", help="where the demo's config, model, logs and broker data go")
     demo.add_argument("--requests", type=int, default=8, help="sample requests sent through the client library")
@@ -292,7 +284,9 @@ def parser() -> argparse.ArgumentParser:
     cluster.add_argument("--task-slots", type=int, default=2, help="up: slots per TaskManager")
     cluster.add_argument("--rest-port", type=int, default=8081, help="up: the web UI and REST API's port on 127.0.0.1")
 
-    # Listed for --help only: main() hands `bench ...` to bench.run, `bench stage ...` to bench.stage.
+    # Listed for --help only: main() hands `replay ...` to the job's replay command, `bench ...` to
+    # bench.run, `bench stage ...` to bench.stage.
+    commands.add_parser("replay", help="serve a range of the request log again into a side topic (cluster-serving replay --help)")
     commands.add_parser("bench", help="end-to-end benchmark (cluster-serving bench --help); the serving stage alone: bench stage --help")
     return root
 
@@ -308,13 +302,19 @@ def stop_on(*signums: signal.Signals) -> None:
         signal.signal(signum, handler)
 
 
+def run_module(module: str, argv: list[str]) -> None:
+    """Replaces this process with `python -m module argv`: a command whose work is a room the CLI
+    does not import (the replay is a Flink job, as `start`'s is a process of its own)."""
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
+
+
 def run_external(module: str, argv: list[str]) -> None:
     """Replaces this process with `python -m module argv`, the way git runs `git-<name>` commands:
     the benchmark is a development tool beside the product, so the CLI names it but never imports it."""
     folder = module.split(".")[0]
     if importlib.util.find_spec(folder) is None and not (Path.cwd() / folder / "__init__.py").is_file():
         raise ConfigError(f"{folder}/ is not in the working folder: it runs from a clone of the repository (./run.sh bench)")
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])  # -m: the working folder first on the path
+    run_module(module, argv)  # -m: the working folder first on the path
 
 
 def error_line(exc: BaseException) -> str:
@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "--verbose" in argv
     command = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
     try:
+        if argv[command:command + 1] == ["replay"]:
+            run_module("cluster_serving.job.replay", argv[command + 1:])
         if argv[command:command + 2] == ["bench", "stage"]:
             run_external("bench.stage", argv[command + 2:])
         if argv[command:command + 1] == ["bench"]:
