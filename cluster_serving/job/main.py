@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -283,16 +284,31 @@ def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
     args = parser.parse_args(argv)
     configure_logging()
-    try:
+
+    def serve() -> int:
         config = load_config(args.config)
-        repository = preflight(config)
-        return run(config, repository, args.fresh, infer)
-    except (ConfigError, ModelError) as exc:
+        return run(config, preflight(config), args.fresh, infer)
+
+    return exit_code(serve)
+
+
+class JobFailed(Exception):
+    """A job that ended in failure; its cause is in the Flink log."""
+
+
+def exit_code(work: Callable[[], int], verbose: bool = False) -> int:
+    """Runs a command's work: a mistake a user can make is one `error:` line and exit code 2 (and
+    its traceback when `verbose`). Ctrl-C, or `cluster-serving start` stopping its children, while
+    the job was starting (run() turns signals into a clean stop once the job is submitted), is 130:
+    nothing to undo."""
+    try:
+        return work()
+    except (ConfigError, ModelError, JobFailed) as exc:
+        if verbose:
+            traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Ctrl-C, or `cluster-serving start` stopping its children, while the job was starting
-        # (run() turns signals into a clean stop once the job is submitted): nothing to undo.
         return 130
 
 

@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,9 +32,8 @@ import numpy as np
 from cluster_serving.config import ConfigError, KafkaConfig, ServingConfig, load_config
 from cluster_serving.config.command_line import config_parser
 from cluster_serving.job.kafka_io import replay_source
-from cluster_serving.job.main import build_pipeline, configure_logging, create_environment, preflight
+from cluster_serving.job.main import JobFailed, build_pipeline, configure_logging, create_environment, exit_code, preflight
 from cluster_serving.kafka.admin import end_offsets, log_positions, records_written, topic_records
-from cluster_serving.runtime.model import ModelError
 from cluster_serving.runtime.repository import Repository, RoutingTable, scan
 from cluster_serving.wire.codec import Message, decode_message
 
@@ -94,7 +92,7 @@ def run_replay(
     try:
         ended.result()
     except Exception as exc:  # py4j's error around the job's failure
-        raise RuntimeError(f"the replay job failed: {str(exc).splitlines()[0]} (see the Flink log in "
+        raise JobFailed(f"the replay job failed: {str(exc).splitlines()[0]} (see the Flink log in "
                            f"{os.environ['FLINK_LOG_DIR']})") from None
 
 
@@ -238,15 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="then compare with the live results for the same uris: count, top-1 agreement, largest difference")
     parser.add_argument("--verbose", action="store_true", help="on an error, print its traceback too")
     args = parser.parse_args(argv)
-    try:
-        return replay(args)
-    except (ConfigError, ModelError, RuntimeError) as exc:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return exit_code(lambda: replay(args), args.verbose)
 
 
 if __name__ == "__main__":
