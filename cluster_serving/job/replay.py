@@ -93,7 +93,7 @@ def run_replay(
         ended.result()
     except Exception as exc:  # py4j's error around the job's failure
         raise JobFailed(f"the replay job failed: {str(exc).splitlines()[0]} (see the Flink log in "
-                           f"{os.environ['FLINK_LOG_DIR']})") from None
+                        f"{os.environ['FLINK_LOG_DIR']})") from None
 
 
 # A result read back from a topic may be as large as a record.
@@ -192,6 +192,14 @@ class Progress:
         print(f"replay: {done} results of {self.total} records in range ({rate:.0f}/s)", file=sys.stderr)
 
 
+def log_range(kafka: KafkaConfig, start: int | datetime, stop: int | datetime | None) -> tuple[dict[int, int], dict[int, int]]:
+    """The input topic's offsets (partition -> offset) where the range starts and stops; a stop
+    before its start is an empty range."""
+    starts = log_positions(kafka, kafka.input_topic, start)
+    stops = log_positions(kafka, kafka.input_topic, stop)
+    return starts, {partition: max(offset, starts[partition]) for partition, offset in stops.items()}
+
+
 def replay(args: argparse.Namespace) -> int:
     """The `replay` command: plan, run, report (and compare)."""
     if args.version is not None and args.model is None:
@@ -206,9 +214,7 @@ def replay(args: argparse.Namespace) -> int:
     route = None if args.model is None else (args.model, args.version)
     replay_table(scan(side), route)  # an unknown model or version refused before anything starts
     repository = preflight(side)  # the side topic made, the models checked, the live job's port left alone
-    starts = log_positions(config.kafka, config.kafka.input_topic, args.start)
-    stops = log_positions(config.kafka, config.kafka.input_topic, args.stop)
-    stops = {partition: max(stop, starts[partition]) for partition, stop in stops.items()}
+    starts, stops = log_range(config.kafka, args.start, args.stop)
     total = sum(stops[partition] - starts[partition] for partition in stops)
     since = end_offsets(side.kafka.bootstrap_servers, args.into)
     print(f"replay: {total} records of {config.kafka.input_topic} (partition: from..to "
