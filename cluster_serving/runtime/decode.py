@@ -111,6 +111,7 @@ def decode_records(
     instances: list[Message] = []
     rejected: list[Message] = []
     dropped: list[tuple[int, str]] = []
+    expired: list[str] = []
     now_ms = time.time() * 1000
     for index, (key, payload) in enumerate(records):
         try:
@@ -120,15 +121,18 @@ def decode_records(
             if key is not None and key != message.uri:
                 raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
         except Exception as exc:
-            expired = isinstance(exc, DeadlineExceeded)
-            if key and len(key) <= MAX_URI_CHARS:
-                rejected.append(error_result(key, "deadline exceeded" if expired else "bad request", exc,
-                                             "deadline_exceeded" if expired else "bad_request"))
-            else:
+            if not key or len(key) > MAX_URI_CHARS:
                 log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), reason(exc))
                 dropped.append((index, reason(exc)))
+            elif isinstance(exc, DeadlineExceeded):  # logged together below: a backlog of them is common
+                rejected.append(Message(key, error=f"deadline exceeded: {exc}", error_code="deadline_exceeded"))
+                expired.append(key)
+            else:
+                rejected.append(error_result(key, "bad request", exc))
             continue
         instances.append(message)
+    if expired:
+        log.warning("deadline exceeded, not run: %s", " ".join(f"uri={uri}" for uri in expired))
     return DecodedBatch(instances, rejected), dropped
 
 
