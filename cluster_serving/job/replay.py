@@ -34,6 +34,7 @@ from cluster_serving.config.command_line import config_parser
 from cluster_serving.job.kafka_io import replay_source
 from cluster_serving.job.main import JobFailed, build_pipeline, configure_logging, create_environment, exit_code, preflight
 from cluster_serving.kafka.admin import end_offsets, log_positions, records_written, topic_records
+from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.runtime.repository import Repository, RoutingTable, scan
 from cluster_serving.wire.codec import Message, decode_message
 
@@ -160,7 +161,8 @@ def compare(side: dict[str, Message], live: dict[str, Message]) -> Comparison:
 def read_results(kafka: KafkaConfig, topic: str, since=None, uris: set[str] | None = None) -> dict[str, Message]:
     """The results on `topic` (from `since`, or its start), the last one per uri, read_committed."""
     results = {}
-    for record in topic_records(kafka.bootstrap_servers, topic, "read_committed", since=since):
+    client = KafkaConnection.of(kafka).kafka_python()  # a secured Kafka's settings too
+    for record in topic_records(topic=topic, isolation_level="read_committed", since=since, **client):
         uri = record.key.decode(errors="replace") if record.key else None
         if uri is None or (uris is not None and uri not in uris):
             continue
@@ -181,7 +183,7 @@ class Progress:
 
     def _written(self) -> int:
         kafka = self.config.kafka
-        return records_written([kafka.result_topic], bootstrap_servers=kafka.bootstrap_servers)[kafka.result_topic]
+        return records_written([kafka.result_topic], **KafkaConnection.of(kafka).kafka_python())[kafka.result_topic]
 
     def __call__(self) -> None:
         if time.monotonic() - self.shown < 2:
@@ -216,7 +218,7 @@ def replay(args: argparse.Namespace) -> int:
     repository = preflight(side)  # the side topic made, the models checked, the live job's port left alone
     starts, stops = log_range(config.kafka, args.start, args.stop)
     total = sum(stops[partition] - starts[partition] for partition in stops)
-    since = end_offsets(side.kafka.bootstrap_servers, args.into)
+    since = end_offsets(topic=args.into, **KafkaConnection.of(side.kafka).kafka_python())
     print(f"replay: {total} records of {config.kafka.input_topic} (partition: from..to "
           f"{', '.join(f'{p}: {starts[p]}..{stops[p]}' for p in sorted(starts))}) into {args.into}", file=sys.stderr)
     run_replay(side, repository, starts, stops, route, Progress(side, total))

@@ -175,9 +175,10 @@ def log_positions(kafka: KafkaConfig, topic: str, at: int | datetime | None) -> 
         consumer.close()
 
 
-def end_offsets(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]:
-    """Each partition's end offset now: where records written after this call will start."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers)
+def end_offsets(bootstrap_servers: str, topic: str, **properties: Any) -> dict[TopicPartition, int]:
+    """Each partition's end offset now: where records written after this call will start
+    (`properties`: kafka-python's, such as a secured Kafka's)."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, **properties)
     try:
         return consumer.end_offsets(_partitions(consumer, topic))
     finally:
@@ -185,11 +186,12 @@ def end_offsets(bootstrap_servers: str, topic: str) -> dict[TopicPartition, int]
 
 
 def topic_records(bootstrap_servers: str, topic: str, isolation_level: str = "read_uncommitted", *,
-                  since: dict[TopicPartition, int] | None = None, timeout_s: float = 60.0) -> list[ConsumerRecord]:
+                  since: dict[TopicPartition, int] | None = None, timeout_s: float = 60.0, **properties: Any) -> list[ConsumerRecord]:
     """Every record a reader with that isolation level sees on the topic, all partitions, from
     `since` (end_offsets of an earlier call; None: the start) to the end offsets at this call.
-    For inspecting a topic (tests, the bench), not for serving: it holds them all in memory."""
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level=isolation_level)
+    For inspecting a topic (tests, the bench, replay), not for serving: it holds them all in
+    memory. `properties`: kafka-python's, such as a secured Kafka's."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap_servers, isolation_level=isolation_level, **properties)
     try:
         partitions = _partitions(consumer, topic)
         consumer.assign(partitions)
