@@ -68,11 +68,12 @@ def start_job(tmp_path: Path) -> Iterator[Callable[[Path, ServingConfig], Embedd
         job.stop()
 
 
-def collect(outputs: OutputQueue, count: int, timeout: float) -> dict[str, dict]:
-    """dequeue() until `count` results are in or `timeout` passes; a uri twice is a failure."""
+def collect(outputs: OutputQueue, count: int, timeout: float, uris: set[str] | None = None) -> dict[str, dict]:
+    """dequeue() until `count` results are in (or, given `uris`, those uris' results, whatever
+    else comes) or `timeout` passes; a uri twice is a failure."""
     results: dict[str, dict] = {}
     deadline = time.monotonic() + timeout
-    while len(results) < count and time.monotonic() < deadline:
+    while (len(results) < count if uris is None else not uris <= results.keys()) and time.monotonic() < deadline:
         batch = outputs.dequeue()
         assert not set(batch) & set(results), "a uri came back twice from dequeue()"
         results.update(batch)

@@ -130,7 +130,8 @@ def test_the_whole_path_serves_over_tls_and_scram_and_a_request_writer_cannot_ch
             for i in range(50):
                 inputs.enqueue(f"b{i}", model="scale", x=np.full(WIDTH, i, np.float32))
             inputs.flush()
-            results = collect(outputs, 50, timeout=120)
+            # The bridge's result above may come with these: wait for these uris, not a count.
+            results = collect(outputs, 50, timeout=120, uris={f"b{i}" for i in range(50)})
             assert [results[f"b{i}"].version for i in range(50)] == [1] * 50
 
             swap_in(root / "scale" / "2", 3.0)  # the repository poller's table goes over SASL_SSL too
