@@ -34,6 +34,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
 from cluster_serving.wire.codec import message_from_parts
 
@@ -46,6 +47,7 @@ CONTROL = "control"
 _KINDS = {"B": BATCH, "A": ALIKE, "C": CONTROL}
 
 Record = tuple[str | None, memoryview]
+T = TypeVar("T")
 Headers = list[tuple[str, bytes | None]]
 
 
@@ -59,17 +61,44 @@ class Source:
     headers: bytes | None = None
 
 
-class SourceBlock(Sequence[Source]):
-    """The sources block of a frame's `count` requests, read only when asked for: an alike batch
-    needs it only for a dead letter."""
+class _LazyBlock(Sequence[T]):
+    """A block of `count` items of a frame, read only when first asked for; `_read` reads them
+    from the block's bytes and says where they end, which must be the block's end."""
+
+    kind = "block"
 
     def __init__(self, block: bytes | memoryview, count: int):
         self.block = block
         self.count = count
 
+    def _read(self, view: memoryview) -> tuple[list[T], int]:
+        raise NotImplementedError
+
     @cached_property
-    def _sources(self) -> list[Source]:
-        sources, at, view = [], 0, memoryview(self.block)
+    def _items(self) -> list[T]:
+        view = memoryview(self.block)
+        items, at = self._read(view)
+        if at != len(view):
+            raise FrameError(f"a {self.kind} block of {self.count} ends at byte {at}, not {len(view)}")
+        return items
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._items[index]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._items)
+
+
+class SourceBlock(_LazyBlock[Source]):
+    """The sources block of a frame's requests: an alike batch needs it only for a dead letter."""
+
+    kind = "sources"
+
+    def _read(self, view: memoryview) -> tuple[list[Source], int]:
+        sources, at = [], 0
         for _ in range(self.count):
             partition, offset, length = _SOURCE.unpack_from(view, at)
             at += _SOURCE.size
@@ -77,18 +106,7 @@ class SourceBlock(Sequence[Source]):
             if length != NO_URI:
                 headers, at = bytes(view[at:at + length]), at + length
             sources.append(Source(partition, offset, headers))
-        if at != len(view):
-            raise FrameError(f"a sources block of {self.count} requests ends at byte {at}, not {len(view)}")
-        return sources
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._sources[index]
-
-    def __iter__(self) -> Iterator[Source]:
-        return iter(self._sources)
+        return sources, at
 
 
 def read_headers(block: bytes) -> Headers:
@@ -126,13 +144,11 @@ def write_sources(sources: Iterable[Source]) -> bytes:
     return b"".join(parts)
 
 
-class UriBlock(Sequence[str]):
-    """The uris of a frame's uris block, read only when asked for: a batch served whole never
-    needs them in Python, only passes the block back with its results."""
+class UriBlock(_LazyBlock[str]):
+    """The uris of a frame's uris block: a batch served whole never needs them in Python, only
+    passes the block back with its results."""
 
-    def __init__(self, block: bytes | memoryview, count: int):
-        self.block = block
-        self.count = count
+    kind = "uris"
 
     @staticmethod
     def of(uris: Sequence[str]) -> UriBlock:
@@ -144,25 +160,13 @@ class UriBlock(Sequence[str]):
             parts += (_U32.pack(len(key)), key)
         return UriBlock(b"".join(parts), len(uris))
 
-    @cached_property
-    def _uris(self) -> list[str]:
-        uris, at, view = [], 0, memoryview(self.block)
+    def _read(self, view: memoryview) -> tuple[list[str], int]:
+        uris, at = [], 0
         for _ in range(self.count):
             (length,) = _U32.unpack_from(view, at)
             uris.append(str(view[at + 4:at + 4 + length], "utf-8"))
             at += 4 + length
-        if at != len(view):
-            raise FrameError(f"a uris block of {self.count} uris ends at byte {at}, not {len(view)}")
-        return uris
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._uris[index]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._uris)
+        return uris, at
 
 
 @dataclass(frozen=True)
