@@ -95,4 +95,4 @@ class EncodeResults(MapFunction):
         batch, outcomes = value
         letters = dead_letters(batch, outcomes, self.kafka)
         self.dead_letters.inc(len(letters))
-        return results_frame(outcomes, letters)
+        return results_frame(outcomes, letters, batch.answers)

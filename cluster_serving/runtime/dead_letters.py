@@ -10,6 +10,7 @@ from cluster_serving.runtime.decode import DecodedBatch
 from cluster_serving.runtime.frames import DeadLetter, Frame, Headers, Source, read_headers
 from cluster_serving.runtime.outcomes import Outcome
 from cluster_serving.wire.codec import MODEL_HEADER, VERSION_HEADER, Message
+from cluster_serving.wire.open_inference import MLSERVER_MODEL_HEADER, MLSERVER_VERSION_HEADER
 
 # The headers a dead letter gets besides the request's own.
 ERROR_CODE_HEADER = "cluster-serving-error-code"
@@ -63,11 +64,9 @@ def _letter(frame: Frame, index: int, why: tuple[str, str, str | None, int | Non
     else:
         (key, value), source = frame.records[index], frame.sources[index] if index < len(frame.sources) else Source()
     code, reason, model, version = why
-    headers: Headers = [(MODEL_HEADER, frame.model.encode())] if frame.model else []
-    if frame.version:
-        headers.append((VERSION_HEADER, frame.version.encode()))
-    if source.headers is not None:
-        headers += read_headers(source.headers)
+    own = read_headers(source.headers) if source.headers is not None else []
+    headers: Headers = [] if _routed_by_mlserver(frame, own) else _route_headers(frame)
+    headers += own
     headers += [(ERROR_CODE_HEADER, code.encode()), (ERROR_HEADER, reason.encode())]
     if model is not None:
         headers.append((SERVED_MODEL_HEADER, model.encode()))
@@ -77,3 +76,18 @@ def _letter(frame: Frame, index: int, why: tuple[str, str, str | None, int | Non
     if source.partition >= 0:
         headers += [(SOURCE_PARTITION_HEADER, str(source.partition).encode()), (SOURCE_OFFSET_HEADER, str(source.offset).encode())]
     return DeadLetter(key, value, headers)
+
+
+def _route_headers(frame: Frame) -> Headers:
+    """The request's `model` and `version` headers, which the JVM took off into the batch's route."""
+    headers: Headers = [(MODEL_HEADER, frame.model.encode())] if frame.model else []
+    if frame.version:
+        headers.append((VERSION_HEADER, frame.version.encode()))
+    return headers
+
+
+def _routed_by_mlserver(frame: Frame, headers: Headers) -> bool:
+    """Whether MLServer's headers, which the JVM leaves with the request's, name its route."""
+    named = {name: (value or b"").decode(errors="replace") for name, value in headers}
+    return (MLSERVER_MODEL_HEADER in named and named[MLSERVER_MODEL_HEADER] == frame.model
+            and named.get(MLSERVER_VERSION_HEADER, "") == frame.version)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster_serving.config import ImageConfig, LimitsConfig
-from cluster_serving.runtime.frames import AlikeRecords, Frame, Source, UriBlock, read_frame, read_headers
+from cluster_serving.runtime.frames import AlikeRecords, Frame, Headers, Source, UriBlock, read_frame, read_headers
 from cluster_serving.runtime.outcomes import DeadlineExceeded, InvalidInput, error_result, reason
 from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, BatchArray, decode_images, prepare_values
 from cluster_serving.wire.codec import (
@@ -27,6 +27,7 @@ from cluster_serving.wire.codec import (
     decode_message,
     decode_stacked,
 )
+from cluster_serving.wire.open_inference import OipRequest, answer_to, decode_request, protocol_of, sniffed_encoding
 
 
 @dataclass
@@ -71,6 +72,8 @@ class DecodedBatch:
     expired: int = 0
     # The frame the batch came in: its requests as they came, for their dead letters.
     frame: Frame | None = field(default=None, repr=False)
+    # The requests in an Open Inference Protocol encoding, by uri: how each is to be answered.
+    answers: dict[str, OipRequest] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -112,14 +115,12 @@ def decode_records(
     rejected: list[Message] = []
     dropped: list[tuple[int, str]] = []
     expired: list[str] = []
+    answers: dict[str, OipRequest] = {}
     now_ms = time.time() * 1000
     for index, (key, payload) in enumerate(records):
         try:
-            if index < len(sources) and sources[index].headers is not None:
-                _check_deadline(sources[index].headers, now_ms)
-            message = decode_message(payload or b"", limits.max_instance_bytes)
-            if key is not None and key != message.uri:
-                raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
+            block = sources[index].headers if index < len(sources) else None
+            message = _decode_record(key, payload or b"", read_headers(block) if block else [], limits, now_ms, answers)
         except Exception as exc:
             if not key or len(key) > MAX_URI_CHARS:
                 log.warning("uri=%s dropped, no result can answer it: %s", _unusable_key(key), reason(exc))
@@ -133,13 +134,46 @@ def decode_records(
         instances.append(message)
     if expired:
         log.warning("deadline exceeded, not run: %s", " ".join(f"uri={uri}" for uri in expired))
-    return DecodedBatch(instances, rejected), dropped
+    return DecodedBatch(instances, rejected, answers=answers), dropped
 
 
-def _check_deadline(headers: bytes, now_ms: float) -> None:
+def _decode_record(key: str | None, payload: bytes, headers: Headers, limits: LimitsConfig, now_ms: float,
+                   answers: dict[str, OipRequest]) -> Message:
+    """One record's request, in our format or an OIP encoding (noted in `answers`, an error too
+    is answered in the encoding the record claims)."""
+    _check_deadline(headers, now_ms)
+    encoding = protocol_of(headers, payload)
+    if encoding is not None:
+        if key:
+            answers[key] = answer_to(encoding, key)
+        return _decode_oip(key, payload, encoding, limits, answers)
+    try:
+        message = decode_message(payload, limits.max_instance_bytes)
+    except DecodeError:
+        sniffed = sniffed_encoding(payload)
+        if sniffed is None:
+            raise
+        try:
+            return _decode_oip(key, payload, sniffed, limits, answers)
+        except Exception:  # not OIP either: our format's reason is the one to give
+            pass
+        raise
+    if key is not None and key != message.uri:
+        raise DecodeError(f"the record key is not the payload's uri {message.uri[:100]!r}")
+    return message
+
+
+def _decode_oip(key: str | None, payload: bytes, encoding: str, limits: LimitsConfig,
+                answers: dict[str, OipRequest]) -> Message:
+    message, request = decode_request(payload, encoding, key, limits.max_instance_bytes)
+    answers[message.uri] = request
+    return message
+
+
+def _check_deadline(headers: Headers, now_ms: float) -> None:
     """Raises DeadlineExceeded when the deadline header says a time before `now_ms`, DecodeError
     when it says no time."""
-    for name, value in read_headers(headers):
+    for name, value in headers:
         if name != DEADLINE_HEADER:
             continue
         text = (value or b"").decode(errors="replace")

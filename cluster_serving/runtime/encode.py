@@ -10,6 +10,7 @@ from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.runtime.frames import AlikeResults, DeadLetter, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
 from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, carries, encode_message, encode_rows, stacked_rows
+from cluster_serving.wire.open_inference import OipRequest, encode_answer
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +29,11 @@ def encode_result(result: Message) -> bytes:
     return _within_limit(result.uri, payload)
 
 
-def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = ()) -> bytes:
+def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = (),
+                  answers: dict[str, OipRequest] | None = None) -> bytes:
     """The frame of a batch's results and dead letters: each stacked run's rows as an alike
-    section, when the format carries them, the rest as (uri, message) records."""
+    section, when the format carries them, the rest as (uri, message) records; the requests in
+    `answers` answered in their OIP encoding."""
     sections, others = [], []
     for outcome in outcomes:
         section = alike_results(outcome) if isinstance(outcome, Rows) else None
@@ -38,7 +41,7 @@ def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = ()) 
             others.append(outcome)
         else:
             sections.append(section)
-    return write_frame(encode_outcomes(others), sections, dead_letters)
+    return write_frame(encode_outcomes(others, answers or {}), sections, dead_letters)
 
 
 def alike_results(rows: Rows) -> AlikeResults | None:
@@ -53,12 +56,13 @@ def alike_results(rows: Rows) -> AlikeResults | None:
     return AlikeResults(UriBlock.of(rows.uris), tail, row_size, values)
 
 
-def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
+def encode_outcomes(outcomes: list[Outcome], answers: dict[str, OipRequest]) -> Iterator[tuple[str, bytes]]:
     """(uri, result bytes) for every request of the batch; the rows of a stacked run are written
     together (encode_rows), each row checked as encode_result checks one."""
     for outcome in outcomes:
         if not isinstance(outcome, Rows):
-            yield outcome.uri, encode_result(outcome)
+            request = answers.get(outcome.uri)
+            yield outcome.uri, encode_result(outcome) if request is None else encode_oip_answer(request, outcome)
             continue
         try:
             payloads = encode_rows(
@@ -69,6 +73,19 @@ def encode_outcomes(outcomes: list[Outcome]) -> Iterator[tuple[str, bytes]]:
             payloads = [encode_result(message) for message in outcome.messages()]
         for uri, payload in zip(outcome.uris, payloads):
             yield uri, _within_limit(uri, payload)
+
+
+def encode_oip_answer(request: OipRequest, result: Message) -> bytes:
+    """An OIP request's answer, in its encoding; refused as encode_result refuses ours."""
+    try:
+        payload = encode_answer(request, result)
+    except ValueError as exc:
+        payload = encode_answer(request, Message(result.uri, error=f"result not encodable: {exc}", error_code="internal"))
+    if len(payload) > MAX_RESULT_BYTES:
+        reason = f"result of {len(payload)} bytes is over the limit of {MAX_RESULT_BYTES}"
+        log.warning("uri=%s %s", result.uri, reason)
+        payload = encode_answer(request, Message(result.uri, error=reason, error_code="internal"))
+    return payload
 
 
 def _within_limit(uri: str, payload: bytes) -> bytes:

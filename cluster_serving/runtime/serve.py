@@ -22,6 +22,7 @@ from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame, prepare_instances
 from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.infer import predict, predict_alike
+from cluster_serving.runtime.open_inference import SplitRequests, check_route, gather_rows, split_rows
 from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow
@@ -63,7 +64,7 @@ class BatchServer:
         letters) out."""
         batch = decode_frame(frame, self.config.limits)
         outcomes, _ = self.serve_batch(batch)
-        return results_frame(outcomes, dead_letters(batch, outcomes, self.config.kafka))
+        return results_frame(outcomes, dead_letters(batch, outcomes, self.config.kafka), batch.answers)
 
     def serve_batch(self, batch: DecodedBatch) -> tuple[list[Outcome], BatchStats | None]:
         """The batch's outcomes, and what it did (None when no model ran: a routing table adopted,
@@ -80,18 +81,22 @@ class BatchServer:
             for message in requests:
                 log.warning("uri=%s %s", message.uri, exc)
             return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code) for message in requests], None
-        size = len(batch.alike) if batch.alike is not None else len(batch.instances)
+        name, split = served.servable.name, SplitRequests()
         started = time.perf_counter()
         if batch.alike is not None and self.serves_whole(served, version):
+            size = len(batch.alike)
             outcomes = predict_alike(served.models[version], batch.alike, served.servable.batching.run_batch_size)
         else:
-            outcomes = self.serve(served, version, batch.requests())
+            requests, refused = check_route(batch.requests(), batch.answers, name, version)
+            instances, invalid, split = split_rows(requests, batch.answers, self.takes_rows(served, version))
+            size = len(instances)
+            outcomes = self.serve(served, version, instances) + refused + invalid
         elapsed_us = int((time.perf_counter() - started) * 1_000_000)
-        name = served.servable.name
         for outcome in outcomes:
             outcome.model, outcome.model_version = name, version
             if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
                 outcome.inference_us = elapsed_us
+        outcomes = gather_rows(outcomes, split)
         failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
         return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed)
 
@@ -103,6 +108,18 @@ class BatchServer:
             log.warning("a control frame without a routing table was ignored")
             return
         self.servables.adopt(table)
+
+    def takes_rows(self, served: Served, version: int) -> bool:
+        """Whether the servable's requests are rows of a batch (its model, or a pipeline's first
+        step's, has a batch dimension): an OIP request is split into its rows then."""
+        if not served.servable.is_pipeline:
+            return served.models[version].batched
+        step = served.servable.config.steps[0]
+        try:
+            first, first_version = self.servables.step(step.model, step.version)
+        except RouteError:  # the pipeline answers that itself
+            return True
+        return first.models[first_version].batched
 
     @staticmethod
     def serves_whole(served: Served, version: int) -> bool:

@@ -22,7 +22,7 @@ import org.slf4j.LoggerFactory;
  * Emits Row(uri, payload, model, version, control, partition, offset, headers) for every Kafka
  * record: the key as a UTF-8 string or null, so the job knows a request's uri even when the value
  * cannot be decoded; the value bytes; the `model` and `version` headers as UTF-8 strings (null
- * when absent or empty); control true for a record with a `cluster-serving-control` header, whose
+ * when absent or empty; MLServer's `mlserver-model` and `mlserver-version` where they are); control true for a record with a `cluster-serving-control` header, whose
  * value is a routing table (RoutingTable) rather than a request; where the record was read (for
  * its dead letter); its other headers as a HeaderBlock (null when none: the deadline, say, or a
  * producer's own). job/batch.py's REQUEST_ROW is the same type.
@@ -41,6 +41,9 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
     private static final Logger LOG = LoggerFactory.getLogger(KeyValueDeserializationSchema.class);
     public static final String MODEL_HEADER = "model";
     public static final String VERSION_HEADER = "version";
+    // Seldon MLServer's Kafka headers: they route a request that has no `model` / `version` header.
+    public static final String MLSERVER_MODEL_HEADER = "mlserver-model";
+    public static final String MLSERVER_VERSION_HEADER = "mlserver-version";
     public static final String CONTROL_HEADER = "cluster-serving-control";
     public static final String SIGNATURE_HEADER = "cluster-serving-signature";
     private static final String HMAC = "HmacSHA256";
@@ -105,8 +108,8 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         }
         boolean routed = routeModel != null;
         out.collect(Row.of(
-            uri, record.value(), routed ? routeModel : header(record, MODEL_HEADER),
-            routed ? routeVersion : header(record, VERSION_HEADER), control,
+            uri, record.value(), routed ? routeModel : header(record, MODEL_HEADER, MLSERVER_MODEL_HEADER),
+            routed ? routeVersion : header(record, VERSION_HEADER, MLSERVER_VERSION_HEADER), control,
             record.partition(), record.offset(), control ? null : HeaderBlock.encode(record.headers(), ROUTE_HEADERS)));
     }
 
@@ -130,7 +133,12 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         }
     }
 
-    /** The last value of a header as UTF-8 text; null when absent or empty. */
+    /** The last value of header `name`, else of `alias`, as UTF-8 text; null when both are absent or empty. */
+    private static String header(ConsumerRecord<byte[], byte[]> record, String name, String alias) {
+        String value = header(record, name);
+        return value != null ? value : header(record, alias);
+    }
+
     private static String header(ConsumerRecord<byte[], byte[]> record, String name) {
         Header header = record.headers().lastHeader(name);
         byte[] value = header == null ? null : header.value();
