@@ -45,14 +45,18 @@ from cluster_serving.kafka.librdkafka import (
 )
 from cluster_serving.wire.codec import DecodeError, decode_message
 from cluster_serving.wire.inputs import (
+    PROTOCOLS,
     Headers,
     Result,
     checked_model,
     encode_alike_requests,
+    encode_oip_request,
     encode_request,
+    protocol_headers,
     request_headers,
     result_of,
 )
+from cluster_serving.wire.open_inference import decode_answer
 
 log = logging.getLogger(__name__)
 Client = TypeVar("Client")
@@ -138,6 +142,12 @@ class InputQueue:
     on the input topic; at `max_lag` records or more it blocks until the job catches up (at most
     `block_timeout_s`) or, with `when_full="refuse"`, raises QueueFullError at once.
 
+    `protocol` says how requests are written: "native" (this format, the fastest), or as the
+    peers that serve over Kafka write them, each answered in kind: "mlserver" (Seldon MLServer's
+    JSON InferenceRequest, headers mlserver-model / mlserver-version), "oip-json" or
+    "oip-protobuf" (Seldon Core 2's ModelInferRequest, header seldon-infer-type). In those, an
+    input is the whole tensor as the protocol has it: batch dimension included where the model has one.
+
     Other keywords are Kafka settings with underscores for dots (`security_protocol`,
     `sasl_mechanism`, `sasl_username`, `linger_ms`, ...), for its librdkafka producer and the
     queue-full guard's reader."""
@@ -155,11 +165,14 @@ class InputQueue:
         when_full: str = "block",
         block_timeout_s: float = 60.0,
         job_group_id: str = JOB_KAFKA.group_id,
+        protocol: str = "native",
         **kafka: Any,
     ):
         if host is not None:  # BigDL's way of naming the broker
             bootstrap_servers = f"{host}:{port or 9092}"
-        self.topic = topic
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        self.topic, self.protocol = topic, protocol
         self.frontend_url = frontend_url.rstrip("/") if frontend_url else None
         if sync and not self.frontend_url:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
@@ -192,9 +205,9 @@ class InputQueue:
         whose batch forms after it is answered `deadline_exceeded` without running the model.
         `model`, `version` and `timeout` are therefore reserved keyword names here: send inputs
         called that way with enqueue_batch([(uri, {"model": ...})])."""
-        headers = request_headers(model, version, timeout)
+        headers = self._headers(model, version, timeout)
         self._check_not_sync()
-        self._send(uri, encode_request(uri, data), headers)
+        self._send(uri, self._encode(uri, data), headers)
 
     def enqueue_batch(
         self,
@@ -209,16 +222,16 @@ class InputQueue:
         and `version` (see enqueue) apply to every request; inputs may have any names here,
         `model` and `version` included. `timeout` (see enqueue) counts from when each request is
         queued."""
-        headers = request_headers(model, version, timeout)
+        headers = self._headers(model, version, timeout)
         self._check_not_sync()
         count, started, shown = 0, time.monotonic(), time.monotonic()
         pending = iter(requests)
         while chunk := list(itertools.islice(pending, ENCODE_TOGETHER)):
             if timeout is not None:
-                headers = request_headers(model, version, timeout)
-            payloads = encode_alike_requests(chunk)
+                headers = self._headers(model, version, timeout)
+            payloads = encode_alike_requests(chunk) if self.protocol == "native" else None
             for i, (uri, data) in enumerate(chunk):
-                self._send(uri, encode_request(uri, data) if payloads is None else payloads[i], headers)
+                self._send(uri, self._encode(uri, data) if payloads is None else payloads[i], headers)
             count += len(chunk)
             if progress and time.monotonic() - shown >= PROGRESS_EVERY_S:
                 shown = time.monotonic()
@@ -228,6 +241,16 @@ class InputQueue:
             elapsed = max(time.monotonic() - started, 1e-9)
             print(f"enqueued {count} requests in {elapsed:.1f} s ({count / elapsed:.0f}/s), flushed", file=sys.stderr)
         return count
+
+    def _headers(self, model: str | None, version: int | None, timeout: float | None) -> Headers | None:
+        """The record headers of a request in this queue's protocol."""
+        headers = request_headers(model, version, timeout)
+        return headers if self.protocol == "native" else protocol_headers(self.protocol, headers or [])
+
+    def _encode(self, uri: str, data: Mapping[str, Any]) -> bytes:
+        if self.protocol == "native":
+            return encode_request(uri, data)
+        return encode_oip_request(self.protocol, uri, data)
 
     def _send(self, uri: str, payload: bytes, headers: Headers | None) -> None:
         """Hands one encoded request to librdkafka, waiting while its queue is full."""
@@ -500,8 +523,9 @@ class OutputQueue:
             count += 1
             self._next[record.partition()] = record.offset() + 1
             try:
-                message = decode_message(record.value() or b"", KAFKA_RECORD_BYTES)
-            except DecodeError as exc:
+                value = record.value() or b""
+                message = decode_answer(value) or decode_message(value, KAFKA_RECORD_BYTES)
+            except (DecodeError, ValueError) as exc:  # protobuf's and orjson's errors are ValueErrors
                 log.warning("unreadable result at offset %d skipped: %s", record.offset(), exc)
                 continue
             self.store.add(message.uri, result_of(message))

@@ -27,8 +27,16 @@ from cluster_serving.wire.codec import (
     encode_alike,
     encode_message,
 )
+from cluster_serving.wire import open_inference
 from cluster_serving.wire.kinds import KINDS, JsonHints
-from cluster_serving.wire.tensors import TensorError
+from cluster_serving.wire.open_inference import (
+    JSON_REQUEST,
+    MLSERVER_MODEL_HEADER,
+    MLSERVER_VERSION_HEADER,
+    PROTO_REQUEST,
+    SELDON_TYPE_HEADER,
+)
+from cluster_serving.wire.tensors import TensorError, dense_array
 
 
 class Result(dict[Any, Any]):
@@ -75,6 +83,34 @@ def deadline_headers(timeout: float | None) -> Headers:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < 10**9:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return [(DEADLINE_HEADER, str(int((time.time() + timeout) * 1000)).encode())]
+
+
+# How a client writes requests (InputQueue(protocol=...)): our format, MLServer's JSON, Seldon's two.
+PROTOCOLS = ("native", "mlserver", "oip-json", "oip-protobuf")
+_SELDON_TYPES = {"oip-json": JSON_REQUEST, "oip-protobuf": PROTO_REQUEST}
+
+
+def protocol_headers(protocol: str, headers: Headers) -> Headers:
+    """A request's headers in an OIP `protocol`: MLServer names the model and version in its own
+    headers (the model's always, empty for the default model); Seldon's say the encoding."""
+    if protocol == "mlserver":
+        names = {MODEL_HEADER: MLSERVER_MODEL_HEADER, VERSION_HEADER: MLSERVER_VERSION_HEADER}
+        renamed = [(names.get(name, name), value) for name, value in headers]
+        if all(name != MLSERVER_MODEL_HEADER for name, _ in renamed):
+            renamed.append((MLSERVER_MODEL_HEADER, b""))
+        return renamed
+    return [*headers, (SELDON_TYPE_HEADER, _SELDON_TYPES[protocol].encode())]
+
+
+def encode_oip_request(protocol: str, uri: str, data: Mapping[str, Any]) -> bytes:
+    """A request in an OIP `protocol`, its id the uri; each input an array of numbers or strings,
+    the whole tensor (its batch dimension included where the model has one)."""
+    if not isinstance(uri, str) or not uri:
+        raise TensorError("uri must be a non-empty string")
+    if not data:
+        raise TensorError("a request needs at least one named input, e.g. enqueue(uri, x=array)")
+    tensors = {name: dense_array(name, value) for name, value in data.items()}
+    return open_inference.encode_request("json" if protocol in ("mlserver", "oip-json") else "protobuf", uri, tensors)
 
 
 def checked_model(model: str) -> str:

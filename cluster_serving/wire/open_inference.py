@@ -9,22 +9,23 @@ there write it, each request answered in the encoding it came in:
   next one's inputs); answered with a `ModelInferResponse` in the same encoding. A record with no
   such header whose value is not our own format is tried as a `ModelInferRequest`, as Seldon does.
 
-The protobuf messages are the OIP working group's generated classes (`open-inference-grpc`).
-Every size and shape is checked against the data before an array is made of it; what does not
-parse is a DecodeError, the request's `bad_request`.
+The protobuf messages are the OIP working group's generated classes (`open-inference-grpc`),
+loaded, like orjson, with the first OIP request: the serving core runs without them (the stage
+benchmark's bare Python). Every size and shape is checked against the data before an array is
+made of it; what does not parse is a DecodeError, the request's `bad_request`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
-import orjson
-from google.protobuf.message import DecodeError as ProtobufError
-from open_inference.grpc.protocol import ModelInferRequest, ModelInferResponse
 
 from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
 from cluster_serving.wire.values import MAX_RANK, MAX_TENSORS, MAX_URI_CHARS, DecodeError, Message, TooLarge, check_uri
@@ -35,8 +36,6 @@ SELDON_TYPE_HEADER = "seldon-infer-type"
 JSON_REQUEST, JSON_RESPONSE = "json/inferModelRequest", "json/inferModelResponse"
 PROTO_REQUEST, PROTO_RESPONSE = "proto/InferModelRequest", "proto/InferModelResponse"
 SELDON_TYPES = (JSON_REQUEST, JSON_RESPONSE, PROTO_REQUEST, PROTO_RESPONSE)
-# The protocols a client may speak (InputQueue(protocol=...)): ours, MLServer's, Seldon's two.
-PROTOCOLS = ("native", "mlserver", "oip-json", "oip-protobuf")
 # Our own format's first bytes: format 2's magic, an Arrow IPC stream's continuation marker.
 _NATIVE_STARTS = (b"CST2", b"\xff\xff\xff\xff")
 # The typed-contents field of each datatype in a protobuf tensor (FP16: raw contents only).
@@ -46,6 +45,28 @@ _CONTENTS = {
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
 _LENGTH = np.dtype("<u4")
+
+
+@functools.cache
+def _library(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+def _orjson() -> ModuleType:
+    return _library("orjson")
+
+
+def _messages() -> ModuleType:
+    """The OIP protobuf messages (ModelInferRequest, ModelInferResponse)."""
+    return _library("open_inference.grpc.protocol")
+
+
+def _parsed(message_type: Any, payload: bytes) -> Any | None:
+    """`payload` parsed as `message_type`; None where it is not one."""
+    try:
+        return message_type.FromString(payload)
+    except _library("google.protobuf.message").DecodeError:
+        return None
 
 
 @dataclass
@@ -101,8 +122,8 @@ def answer_to(encoding: str, key: str | None) -> OipRequest:
 
 def _from_json(payload: bytes, key: str | None, max_bytes: int) -> tuple[Message, OipRequest]:
     try:
-        body = orjson.loads(payload)
-    except orjson.JSONDecodeError as exc:
+        body = _orjson().loads(payload)
+    except ValueError as exc:  # orjson.JSONDecodeError
         raise DecodeError(f"not an OIP JSON request: {exc}") from None
     if not isinstance(body, dict):
         raise DecodeError("not an OIP JSON request: the value is not a JSON object")
@@ -134,16 +155,10 @@ def _json_tensor(entry: Any, max_bytes: int) -> tuple[str, np.ndarray]:
 
 
 def _from_protobuf(payload: bytes, key: str | None, max_bytes: int) -> tuple[Message, OipRequest]:
-    try:
-        body = ModelInferRequest.FromString(payload)
-    except ProtobufError:
-        body = None
+    body = _parsed(_messages().ModelInferRequest, payload)
     if body is None or not body.inputs:
-        try:  # a Seldon response kind: the outputs of the model before
-            response = ModelInferResponse.FromString(payload)
-        except ProtobufError:
-            raise DecodeError("not an OIP protobuf ModelInferRequest") from None
-        if not response.outputs:
+        response = _parsed(_messages().ModelInferResponse, payload)  # a Seldon response kind: the model before's outputs
+        if response is None or not response.outputs:
             raise DecodeError("not an OIP protobuf ModelInferRequest with inputs")
         entries, raw = response.outputs, response.raw_output_contents
         request = OipRequest("protobuf", _id(key, response.id), response.model_name, response.model_version)
@@ -170,7 +185,7 @@ def _protobuf_tensor(entry: Any, raw: bytes | None, max_bytes: int) -> tuple[str
         if field is None:
             raise DecodeError(f"input {name!r}: {entry.datatype} travels in raw contents only")
         values = getattr(entry.contents, field)
-        array = _utf8(name, list(values)) if dtype.kind == "O" else dense_array(name, np.asarray(values), dtype)
+        array = _utf8(name, list(values)) if dtype.kind == "O" else dense_array(name, list(values), dtype)
     if array.size != count:
         raise DecodeError(f"input {name!r}: {array.size} values do not fill shape {list(shape)}")
     return name, array.reshape(shape)
@@ -286,7 +301,7 @@ def _json_answer(request: OipRequest, result: Message, arrays: dict[str, np.ndar
     else:
         body["outputs"] = [{"name": name, "shape": list(array.shape), "datatype": _datatype(array),
                             "data": _json_data(array)} for name, array in arrays.items()]
-    return orjson.dumps(body)
+    return _orjson().dumps(body)
 
 
 def _json_data(array: np.ndarray) -> list[Any]:
@@ -299,7 +314,7 @@ def _json_data(array: np.ndarray) -> list[Any]:
 
 
 def _protobuf_answer(request: OipRequest, result: Message, arrays: dict[str, np.ndarray]) -> bytes:
-    response = ModelInferResponse(model_name=result.model or request.model_name, id=request.id)
+    response = _messages().ModelInferResponse(model_name=result.model or request.model_name, id=request.id)
     if result.model_version is not None:
         response.model_version = str(result.model_version)
     if result.error is not None:
@@ -332,11 +347,13 @@ def decode_answer(payload: bytes) -> Message | None:
     if payload[:4] in _NATIVE_STARTS:
         return None
     if payload[:1] == b"{":
-        body = orjson.loads(payload)
+        body = _orjson().loads(payload)
         tensors = {entry["name"]: _json_tensor(entry, 1 << 62)[1] for entry in body.get("outputs") or []}
         return _answer_message(body.get("id") or "", tensors, body.get("error"), body.get("error_code"),
                                body.get("model_name"), body.get("model_version"))
-    response = ModelInferResponse.FromString(payload)
+    response = _parsed(_messages().ModelInferResponse, payload)
+    if response is None:
+        raise DecodeError("not an OIP answer: neither JSON nor a protobuf ModelInferResponse")
     raw = response.raw_output_contents
     tensors = dict(_protobuf_tensor(entry, raw[i] if raw else None, 1 << 62) for i, entry in enumerate(response.outputs))
     parameters = response.parameters
@@ -357,10 +374,10 @@ def encode_request(encoding: str, request_id: str, tensors: dict[str, np.ndarray
     (a `ModelInferRequest` with raw contents); the client's `protocol=`."""
     arrays = {name: np.asarray(value) for name, value in tensors.items()}
     if encoding == "json":
-        return orjson.dumps({"id": request_id, "inputs": [
+        return _orjson().dumps({"id": request_id, "inputs": [
             {"name": name, "shape": list(array.shape), "datatype": _datatype(array), "data": _json_data(array)}
             for name, array in arrays.items()]})
-    request = ModelInferRequest(model_name=model, id=request_id)
+    request = _messages().ModelInferRequest(model_name=model, id=request_id)
     if version:
         request.model_version = version
     for name, array in arrays.items():
@@ -368,9 +385,3 @@ def encode_request(encoding: str, request_id: str, tensors: dict[str, np.ndarray
         request.raw_input_contents.append(_raw_bytes(array))
     return request.SerializeToString()
 
-
-__all__ = [
-    "MLSERVER_MODEL_HEADER", "MLSERVER_VERSION_HEADER", "OipRequest", "PROTOCOLS",
-    "SELDON_TYPE_HEADER", "answer_to", "decode_answer", "decode_request", "encode_answer", "encode_request",
-    "protocol_of", "sniffed_encoding",
-]

@@ -110,6 +110,8 @@ def dense_array(name: str, value: Any, dtype: np.dtype | None = None, from_json:
         return array
     if dtype is None:
         typed = array
+    elif dtype.kind in "iu" and array.dtype.kind == "f" and not isinstance(value, np.ndarray):
+        typed = _whole_numbers(name, value, array, dtype)
     elif array.size == 0 and dtype.kind != "O":
         typed = array.astype(dtype)  # an empty list has no values to check
     else:
@@ -117,6 +119,18 @@ def dense_array(name: str, value: Any, dtype: np.dtype | None = None, from_json:
     if from_json and typed.dtype.kind == "f" and not np.isfinite(typed).all():
         raise TensorError(f"input {name!r}: values outside the range of {typed.dtype.name}")
     return typed
+
+
+def _whole_numbers(name: str, value: Any, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Python ints that numpy read as float64 (one past int64's range: uint64's top half) made
+    `dtype` exactly, not through a float that rounds them; anything else as _typed takes it."""
+    items = np.asarray(value, dtype=object).reshape(-1)
+    if not all(type(item) is int for item in items):
+        return _typed(name, array, dtype)
+    limits = np.iinfo(dtype)
+    if not all(limits.min <= item <= limits.max for item in items):
+        raise TensorError(f"input {name!r}: values outside the range of {dtype.name}")
+    return np.array(items.tolist(), dtype=dtype).reshape(array.shape)
 
 
 def _all_strings(value: Any, array: np.ndarray) -> bool:
