@@ -5,10 +5,10 @@
 #   ./run.sh bench [ARGS]  the end-to-end benchmark (cluster-serving bench --help)
 set -euo pipefail
 cd "$(dirname "$0")"
-bash scripts/setup.sh
+command=${1:-demo}
+if [ "$command" = test ]; then bash scripts/setup.sh --peers; else bash scripts/setup.sh; fi
 # The venv first on PATH: Flink's thread mode embeds the first python it finds, and `flink` is there.
 export PATH="$PWD/.venv/bin:$PATH"
-command=${1:-demo}
 shift || true
 case "$command" in
   demo) exec cluster-serving demo "$@" ;;

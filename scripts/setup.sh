@@ -48,5 +48,17 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The peers' own libraries, for the tests that produce requests as their users do
+# (tests/peer_producers.py): MLServer pins protobuf and grpcio versions that Flink's apache-beam
+# cannot share, so they live in a venv of their own. Made for `./run.sh test` only.
+PEERS=$ROOT/.venv-peers
+if [ "${1:-}" = "--peers" ] && [ ! -f "$PEERS/.installed-mlserver-1.7.1" ]; then
+  log "installing MLServer 1.7.1 into .venv-peers (the peer-producer tests)"
+  rm -rf "$PEERS"
+  "$PYTHON" -m venv "$PEERS"
+  quietly "$PEERS/bin/pip" install -q "mlserver==1.7.1" "kafka-python>=2.0.2"
+  touch "$PEERS/.installed-mlserver-1.7.1"
+fi
+
 log "the jars beyond PyPI (made once into the per-user cache)"
 "$VENV/bin/python" -m cluster_serving.jvm | sed "s/^/[setup]   /"

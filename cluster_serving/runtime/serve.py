@@ -80,7 +80,9 @@ class BatchServer:
             requests = batch.requests()
             for message in requests:
                 log.warning("uri=%s %s", message.uri, exc)
-            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code) for message in requests], None
+            named = batch.model or None  # the model the requests asked for, which their answers name
+            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code, model=named)
+                                     for message in requests], None
         name, split = served.servable.name, SplitRequests()
         started = time.perf_counter()
         if batch.alike is not None and self.serves_whole(served, version):
