@@ -33,13 +33,21 @@ import numpy as np
 import onnxruntime as ort
 from bench.images import image_settings, photo_jpeg
 from cluster_serving.config import ServingConfig, load_config
-from cluster_serving.runtime.frames import read_result_frame, write_alike_frame, write_batch_frame, write_control_frame
+from cluster_serving.runtime.frames import (
+    Source,
+    read_result_frame,
+    write_alike_frame,
+    write_batch_frame,
+    write_control_frame,
+    write_headers,
+)
 from cluster_serving.runtime import rewrites
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.wire.codec import decode_message
-from cluster_serving.wire.inputs import encode_request
+from cluster_serving.wire.inputs import PROTOCOLS, encode_oip_request, encode_request, protocol_headers
+from cluster_serving.wire.open_inference import decode_answer
 
 # Built-in models by name: the builder's module and function (imported when used: they need onnx).
 BUILDERS = {
@@ -71,7 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cluster-serving bench stage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="conv224", help=f"{', '.join(BUILDERS)} or the path of an ONNX model")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--inputs", default="tensor,jpeg", help="request kinds: tensor, jpeg (image models only)")
+    parser.add_argument("--inputs", default="tensor,jpeg", help="request kinds: tensor, jpeg (image models only), or the "
+                        "tensor in an Open Inference Protocol encoding: mlserver, oip-json, oip-protobuf")
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
@@ -118,9 +127,9 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     raw = raw_ort(session, spec.name, runs, args.seconds)
     bound = raw_ort_bound(session, spec.name, runs, args.seconds) if args.device == "cuda" else None
     config = stage_config(model, spec.name, kind, shape, batch, args)
-    records = requests(spec.name, kind, samples)
-    stage, in_run = serving_stage(config, records, batch, args.seconds)
-    together = {count: stage_together(config, records, batch, args, count) for count in _counts(args.instances)}
+    records, sources = requests(spec.name, kind, samples)
+    stage, in_run = serving_stage(config, records, sources, batch, args.seconds)
+    together = {count: stage_together(config, records, sources, batch, args, count) for count in _counts(args.instances)}
     return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None, args.instances_in)
 
 
@@ -159,25 +168,31 @@ def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batc
     return load_config(overrides=overrides)
 
 
-def requests(name: str, kind: str, samples: np.ndarray) -> list[tuple[str, bytes]]:
-    """(uri, request bytes) per instance, as InputQueue.enqueue writes them: the tensor, or a JPEG
-    of it (its pixels, smooth enough to compress as photos do)."""
+def requests(name: str, kind: str, samples: np.ndarray) -> tuple[list[tuple[str, bytes]], list[Source]]:
+    """(uri, request bytes) per instance, as InputQueue.enqueue writes them, and the records'
+    headers: the tensor, a JPEG of it (its pixels, smooth enough to compress as photos do), or
+    the tensor as a batch of one in an OIP encoding (with that protocol's headers)."""
+    if kind in PROTOCOLS and kind != "native":
+        headers = Source(headers=write_headers(protocol_headers(kind, [])))
+        return [(f"r{i}", encode_oip_request(kind, f"r{i}", {name: row[np.newaxis]})) for i, row in enumerate(samples)], [headers] * len(samples)
     if kind == "tensor":
-        return [(f"r{i}", encode_request(f"r{i}", {name: row})) for i, row in enumerate(samples)]
+        return [(f"r{i}", encode_request(f"r{i}", {name: row})) for i, row in enumerate(samples)], []
     if kind != "jpeg" or samples.ndim != 4 or 3 not in (samples.shape[1], samples.shape[3]):
         fail(f"--inputs: {kind} requests need an image model (3 channels); this one takes {samples.shape[1:]}")
-    return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(photo_jpeg(row)).decode()}})) for i, row in enumerate(samples)]
+    return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(photo_jpeg(row)).decode()}})) for i, row in enumerate(samples)], []
 
 
-def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, seconds: float) -> tuple[float, float]:
+def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
+                  seconds: float) -> tuple[float, float]:
     """Requests/s of BatchServer.serve_frame over the batch's frame, and the share of that time
     inside session.run; every result is checked to be one."""
     server = BatchServer(config)
     server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
     served, version = server.servables.resolve("", "")
     session = served.models[version].session
-    frame = write_alike_frame("", "", records) or write_batch_frame("", "", records)  # as the JVM batches them
-    results = [decode_message(bytes(payload), 64 << 20) for _, payload in read_result_frame(server.serve_frame(frame))]
+    frame = (None if sources else write_alike_frame("", "", records)) or write_batch_frame("", "", records, sources or None)
+    results = [decode_answer(bytes(payload)) or decode_message(bytes(payload), 64 << 20)
+               for _, payload in read_result_frame(server.serve_frame(frame))]
     errors = [result.error for result in results if result.error]
     if len(results) != batch or errors:
         fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
@@ -207,12 +222,13 @@ def _timed(call: Callable[..., object], total: list[float]) -> Callable[..., obj
     return timed
 
 
-def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], batch: int, args: argparse.Namespace, count: int) -> float:
+def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
+                   args: argparse.Namespace, count: int) -> float:
     """Requests/s of `count` stages, each with its own models, serving the same batches at once
     (in processes or threads, as args.instances_in says), added up."""
     pool = multiprocessing.get_context("spawn").Pool(count) if args.instances_in == "processes" else ThreadPool(count)
     with pool:
-        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, batch, args.seconds)] * count))
+        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, sources, batch, args.seconds)] * count))
 
 
 def _counts(text: str) -> list[int]:

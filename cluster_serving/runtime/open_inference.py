@@ -104,6 +104,7 @@ def _gathered(uri: str, rows: dict[int | None, Message], count: int) -> Message:
         tensors = rows[None].tensors
     else:
         ordered = [rows[i] for i in range(count)]
-        tensors = {name: np.stack([np.asarray(message.tensors[name]) for message in ordered]) for name in first.tensors}
+        tensors = {name: np.asarray(first.tensors[name])[np.newaxis] if count == 1 else
+                   np.stack([np.asarray(message.tensors[name]) for message in ordered]) for name in first.tensors}
     return Message(uri, tensors, batch_size=first.batch_size, inference_us=first.inference_us,
                    model=first.model, model_version=first.model_version)

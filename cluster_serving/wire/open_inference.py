@@ -338,8 +338,12 @@ def _raw_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
 
 
+# Keyed by the dtype itself: dtype.name is computed in Python, slowly, and this is per output.
+_DATATYPES = {np.dtype(name): datatype for name, datatype in V2_DATATYPES.items()}
+
+
 def _datatype(array: np.ndarray) -> str:
-    return V2_DATATYPES.get(array.dtype.name, "BYTES")
+    return _DATATYPES.get(array.dtype, "BYTES")
 
 
 def decode_answer(payload: bytes) -> Message | None:
