@@ -318,3 +318,27 @@ def test_garbage_without_headers_is_still_refused_in_our_format(jvm, every_datat
     garbage = np.random.default_rng(1).bytes(300)
     answers, _ = served(jvm, every_datatype, [("garbage", garbage, None)])
     assert decode_message(answers["garbage"], 1 << 20).error.startswith("bad request: not a cluster-serving message")
+
+
+def test_a_timeout_parameter_counts_from_the_record_timestamp(jvm, every_datatype: BatchServer) -> None:  # noqa: F811
+    """Triton's `timeout` parameter (microseconds) from the record's timestamp, which the JVM adds
+    to an OIP request's headers: past, the request is answered deadline_exceeded unrun; the
+    timestamp header is not left on its dead letter."""
+    import time
+    tensors = batch_of(list(DATATYPES), 1)
+    sent = [("cluster-serving-record-timestamp", str(int(time.time() * 1000) - 5000).encode())]
+    expired = orjson.loads(json_request(tensors)) | {"parameters": {"timeout": 1_000_000}}
+    fresh = orjson.loads(json_request(tensors)) | {"parameters": {"timeout": 60_000_000}}
+    late_proto = ModelInferRequest.FromString(protobuf_request(tensors))
+    late_proto.parameters["timeout"].int64_param = 2_000_000
+    answers, letters = served(jvm, every_datatype, [
+        ("expired", orjson.dumps(expired), MLSERVER + sent), ("fresh", orjson.dumps(fresh), MLSERVER + sent),
+        ("late-proto", late_proto.SerializeToString(), SELDON_PROTO + sent),
+        ("bad-timeout", orjson.dumps(expired | {"parameters": {"timeout": "soon"}}), MLSERVER + sent),
+    ])
+    assert error_of("json", answers["expired"])[0] == "deadline_exceeded"
+    assert error_of("protobuf", answers["late-proto"])[0] == "deadline_exceeded"
+    assert error_of("json", answers["bad-timeout"])[0] == "bad_request"
+    assert_identity(tensors, json_outputs(answers["fresh"]))
+    assert set(letters) == {"expired", "late-proto", "bad-timeout"}
+    assert all("cluster-serving-record-timestamp" not in headers for _, headers in letters.values())

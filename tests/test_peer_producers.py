@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from confluent_kafka import Producer
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.kafka.admin import topic_records
@@ -61,13 +63,22 @@ def test_the_client_speaks_each_protocol(write_config, start_job) -> None:
     kafka = config.kafka
     start_job(path, config)
     rows = np.random.default_rng(3).normal(size=(3, FEATURES)).astype(np.float32)
+    want = expected(config.model.path, rows)
     for protocol in ("mlserver", "oip-json", "oip-protobuf", "native"):
         with InputQueue(kafka.bootstrap_servers, kafka.input_topic, protocol=protocol) as inputs:
             inputs.enqueue(f"{protocol}-3", features=rows if protocol != "native" else rows[0])
             inputs.enqueue(f"{protocol}-v1", version=1, features=rows[:1] if protocol != "native" else rows[0])
+    # A producer's own: Triton's timeout parameter (microseconds) counts from the record's timestamp.
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    body = {"inputs": [{"name": "features", "shape": [1, FEATURES], "datatype": "FP32", "data": rows[0].tolist()}]}
+    for key, timeout, age_s in (("timed-out", 1_000_000, 10), ("in-time", 600_000_000, 10)):
+        producer.produce(kafka.input_topic, json.dumps(body | {"parameters": {"timeout": timeout}}).encode(), key.encode(),
+                         headers=[("mlserver-model", config.model.name.encode())], timestamp=int((time.time() - age_s) * 1000))
+    producer.flush()
     with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
-        results = collect(outputs, 8, timeout=60)
-    want = expected(config.model.path, rows)
+        results = collect(outputs, 10, timeout=60)
+    assert results["timed-out"].error_code == "deadline_exceeded"
+    assert np.allclose(next(iter(results["in-time"].values())), want[:1], atol=1e-6)
     for protocol in ("mlserver", "oip-json", "oip-protobuf"):
         result = results[f"{protocol}-3"]
         assert (result.model, result.version, result.error_code) == (config.model.name, 1, None)

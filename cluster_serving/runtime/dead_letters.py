@@ -10,7 +10,7 @@ from cluster_serving.runtime.decode import DecodedBatch
 from cluster_serving.runtime.frames import DeadLetter, Frame, Headers, Source, read_headers
 from cluster_serving.runtime.outcomes import Outcome
 from cluster_serving.wire.codec import MODEL_HEADER, VERSION_HEADER, Message
-from cluster_serving.wire.open_inference import MLSERVER_MODEL_HEADER, MLSERVER_VERSION_HEADER
+from cluster_serving.wire.open_inference import MLSERVER_MODEL_HEADER, MLSERVER_VERSION_HEADER, RECORD_TIMESTAMP_HEADER
 
 # The headers a dead letter gets besides the request's own.
 ERROR_CODE_HEADER = "cluster-serving-error-code"
@@ -64,7 +64,7 @@ def _letter(frame: Frame, index: int, why: tuple[str, str, str | None, int | Non
     else:
         (key, value), source = frame.records[index], frame.sources[index] if index < len(frame.sources) else Source()
     code, reason, model, version = why
-    own = read_headers(source.headers) if source.headers is not None else []
+    own = [header for header in read_headers(source.headers) if header[0] != RECORD_TIMESTAMP_HEADER] if source.headers is not None else []
     headers: Headers = [] if _routed_by_mlserver(frame, own) else _route_headers(frame)
     headers += own
     headers += [(ERROR_CODE_HEADER, code.encode()), (ERROR_HEADER, reason.encode())]

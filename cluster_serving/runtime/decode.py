@@ -27,7 +27,14 @@ from cluster_serving.wire.codec import (
     decode_message,
     decode_stacked,
 )
-from cluster_serving.wire.open_inference import OipRequest, answer_to, decode_request, protocol_of, sniffed_encoding
+from cluster_serving.wire.open_inference import (
+    RECORD_TIMESTAMP_HEADER,
+    OipRequest,
+    answer_to,
+    decode_request,
+    protocol_of,
+    sniffed_encoding,
+)
 
 
 @dataclass
@@ -146,7 +153,7 @@ def _decode_record(key: str | None, payload: bytes, headers: Headers, limits: Li
     if encoding is not None:
         if key:
             answers[key] = answer_to(encoding, key)
-        return _decode_oip(key, payload, encoding, limits, answers)
+        return _decode_oip(key, payload, encoding, limits, answers, headers, now_ms)
     try:
         message = decode_message(payload, limits.max_instance_bytes)
     except DecodeError:
@@ -164,10 +171,22 @@ def _decode_record(key: str | None, payload: bytes, headers: Headers, limits: Li
 
 
 def _decode_oip(key: str | None, payload: bytes, encoding: str, limits: LimitsConfig,
-                answers: dict[str, OipRequest]) -> Message:
+                answers: dict[str, OipRequest], headers: Headers = (), now_ms: float = 0.0) -> Message:
     message, request = decode_request(payload, encoding, key, limits.max_instance_bytes)
     answers[message.uri] = request
+    if request.timeout_us is not None:
+        _check_timeout(headers, request.timeout_us, now_ms)
     return message
+
+
+def _check_timeout(headers: Headers, timeout_us: int, now_ms: float) -> None:
+    """Raises DeadlineExceeded when an OIP request's timeout, from its record's timestamp, has passed."""
+    sent = next((value for name, value in headers if name == RECORD_TIMESTAMP_HEADER), None)
+    if sent is None or not sent.isdigit():
+        return  # a record without an OIP header: no timestamp to count from
+    late = now_ms - (int(sent) + timeout_us / 1000)
+    if late > 0:
+        raise DeadlineExceeded(f"its timeout of {timeout_us} us from the record's timestamp passed {late:.0f} ms before its batch formed")
 
 
 def _check_deadline(headers: Headers, now_ms: float) -> None:

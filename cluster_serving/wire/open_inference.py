@@ -30,6 +30,9 @@ import numpy as np
 from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
 from cluster_serving.wire.values import MAX_RANK, MAX_TENSORS, MAX_URI_CHARS, DecodeError, Message, TooLarge, check_uri
 
+# The record's timestamp (epoch ms), which the JVM adds to an OIP request's headers: its `timeout`
+# parameter (microseconds, as Triton's) counts from it.
+RECORD_TIMESTAMP_HEADER = "cluster-serving-record-timestamp"
 MLSERVER_MODEL_HEADER = "mlserver-model"
 MLSERVER_VERSION_HEADER = "mlserver-version"
 SELDON_TYPE_HEADER = "seldon-infer-type"
@@ -72,14 +75,15 @@ def _parsed(message_type: Any, payload: bytes) -> Any | None:
 @dataclass
 class OipRequest:
     """What an OIP request asked, besides its inputs: how to answer it (`encoding` "json" or
-    "protobuf"), its id, the model and version its body names ("" where it names none) and the
-    outputs it wants (None: all)."""
+    "protobuf"), its id, the model and version its body names ("" where it names none), the
+    outputs it wants (None: all) and its `timeout` parameter in microseconds (None: none)."""
 
     encoding: str
     id: str
     model_name: str = ""
     model_version: str = ""
     outputs: list[str] | None = None
+    timeout_us: int | None = None
 
 
 def protocol_of(headers: Sequence[tuple[str, bytes | None]], payload: bytes) -> str | None:
@@ -132,7 +136,7 @@ def _from_json(payload: bytes, key: str | None, max_bytes: int) -> tuple[Message
     if not isinstance(entries, list) or not entries:
         raise DecodeError("an OIP JSON request needs a non-empty list of inputs")
     request = OipRequest("json", _id(key, body.get("id")), _text(body.get("model_name")), _text(body.get("model_version")),
-                         _wanted(body.get("outputs") if "inputs" in body else None))
+                         _wanted(body.get("outputs") if "inputs" in body else None), _json_timeout(body.get("parameters")))
     tensors = _named([(_json_tensor(entry, max_bytes)) for entry in _at_most(entries)])
     return Message(_uri(key, request.id), tensors), request
 
@@ -165,7 +169,8 @@ def _from_protobuf(payload: bytes, key: str | None, max_bytes: int) -> tuple[Mes
     else:
         entries, raw = body.inputs, body.raw_input_contents
         wanted = [output.name for output in body.outputs] or None
-        request = OipRequest("protobuf", _id(key, body.id), body.model_name, body.model_version, wanted)
+        request = OipRequest("protobuf", _id(key, body.id), body.model_name, body.model_version, wanted,
+                             _protobuf_timeout(body.parameters))
     if raw and len(raw) != len(entries):
         raise DecodeError(f"{len(raw)} raw contents for {len(entries)} inputs")
     tensors = _named([_protobuf_tensor(entry, raw[i] if raw else None, max_bytes)
@@ -250,6 +255,25 @@ def _check_size(name: str, shape: tuple[int, ...], dtype: np.dtype, max_bytes: i
     size = math.prod(shape) * (8 if dtype.kind == "O" else dtype.itemsize)
     if size > max_bytes:
         raise TooLarge(f"input {name!r}: {size} bytes once decoded, over the limit of {max_bytes}")
+
+
+def _json_timeout(parameters: Any) -> int | None:
+    timeout = parameters.get("timeout") if isinstance(parameters, dict) else None
+    return _timeout(timeout) if timeout is not None else None
+
+
+def _protobuf_timeout(parameters: Any) -> int | None:
+    if "timeout" not in parameters:
+        return None
+    parameter = parameters["timeout"]
+    return _timeout(getattr(parameter, parameter.WhichOneof("parameter_choice") or "int64_param"))
+
+
+def _timeout(value: Any) -> int:
+    """A `timeout` parameter: microseconds, a whole number from 1 up."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+        raise DecodeError(f"the timeout parameter must be a positive whole number of microseconds, got {str(value)[:40]!r}")
+    return value
 
 
 def _text(value: Any) -> str:

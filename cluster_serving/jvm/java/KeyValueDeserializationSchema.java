@@ -15,6 +15,8 @@ import org.apache.flink.util.Collector;
 // The connector jar carries kafka-clients relocated under org.apache.flink.kafka.shaded.
 import org.apache.flink.kafka.shaded.org.apache.kafka.clients.consumer.ConsumerRecord;
 import org.apache.flink.kafka.shaded.org.apache.kafka.common.header.Header;
+import org.apache.flink.kafka.shaded.org.apache.kafka.common.header.Headers;
+import org.apache.flink.kafka.shaded.org.apache.kafka.common.header.internals.RecordHeaders;
 import org.slf4j.Logger;
 import org.slf4j.LoggerFactory;
 
@@ -44,6 +46,10 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
     // Seldon MLServer's Kafka headers: they route a request that has no `model` / `version` header.
     public static final String MLSERVER_MODEL_HEADER = "mlserver-model";
     public static final String MLSERVER_VERSION_HEADER = "mlserver-version";
+    // An OIP request's timeout parameter counts from its record's timestamp: the JVM passes it on
+    // to Python as this header, for records that claim an OIP encoding only.
+    public static final String SELDON_TYPE_HEADER = "seldon-infer-type";
+    public static final String TIMESTAMP_HEADER = "cluster-serving-record-timestamp";
     public static final String CONTROL_HEADER = "cluster-serving-control";
     public static final String SIGNATURE_HEADER = "cluster-serving-signature";
     private static final String HMAC = "HmacSHA256";
@@ -110,7 +116,18 @@ public final class KeyValueDeserializationSchema implements KafkaRecordDeseriali
         out.collect(Row.of(
             uri, record.value(), routed ? routeModel : header(record, MODEL_HEADER, MLSERVER_MODEL_HEADER),
             routed ? routeVersion : header(record, VERSION_HEADER, MLSERVER_VERSION_HEADER), control,
-            record.partition(), record.offset(), control ? null : HeaderBlock.encode(record.headers(), ROUTE_HEADERS)));
+            record.partition(), record.offset(), control ? null : HeaderBlock.encode(passedOn(record), ROUTE_HEADERS)));
+    }
+
+    /** The record's headers, with its timestamp added for one in an OIP encoding. */
+    private static Headers passedOn(ConsumerRecord<byte[], byte[]> record) {
+        Headers headers = record.headers();
+        if (headers.lastHeader(SELDON_TYPE_HEADER) == null && headers.lastHeader(MLSERVER_MODEL_HEADER) == null) {
+            return headers;
+        }
+        RecordHeaders timed = new RecordHeaders(headers.toArray());
+        timed.add(TIMESTAMP_HEADER, Long.toString(record.timestamp()).getBytes(StandardCharsets.US_ASCII));
+        return timed;
     }
 
     private boolean signed(ConsumerRecord<byte[], byte[]> record) {
