@@ -342,3 +342,16 @@ def test_a_timeout_parameter_counts_from_the_record_timestamp(jvm, every_datatyp
     assert_identity(tensors, json_outputs(answers["fresh"]))
     assert set(letters) == {"expired", "late-proto", "bad-timeout"}
     assert all("cluster-serving-record-timestamp" not in headers for _, headers in letters.values())
+
+
+def test_a_request_without_a_key_is_answered_and_dead_lettered_by_its_id(jvm, every_datatype: BatchServer) -> None:  # noqa: F811
+    """MLServer takes the body's id where the record has no key: the answer is keyed by it, and a
+    failed one is still a dead letter, as it came (no key)."""
+    tensors = batch_of(list(DATATYPES), 1)
+    wrong = json_request(tensors, id="failing").replace(b'"in_', b'"wrong_')  # inputs the model does not have
+    answers, letters = served(jvm, every_datatype, [(None, json_request(tensors, id="by-id"), MLSERVER), (None, wrong, MLSERVER)])
+    assert_identity(tensors, json_outputs(answers["by-id"]))
+    assert orjson.loads(answers["by-id"])["id"] == "by-id"
+    assert set(answers) == {"by-id", "failing"}, answers
+    assert error_of("json", answers["failing"])[0] == "bad_request"
+    assert list(letters) == [None] and letters[None][0] == wrong

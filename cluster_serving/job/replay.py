@@ -37,6 +37,7 @@ from cluster_serving.kafka.admin import end_offsets, log_positions, records_writ
 from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.runtime.repository import Repository, RoutingTable, scan
 from cluster_serving.wire.codec import Message, decode_message
+from cluster_serving.wire.open_inference import decode_answer
 
 log = logging.getLogger("cluster_serving.job")
 
@@ -159,7 +160,8 @@ def compare(side: dict[str, Message], live: dict[str, Message]) -> Comparison:
 
 
 def read_results(kafka: KafkaConfig, topic: str, since=None, uris: set[str] | None = None) -> dict[str, Message]:
-    """The results on `topic` (from `since`, or its start), the last one per uri, read_committed."""
+    """The results on `topic` (from `since`, or its start), the last one per uri, read_committed;
+    OIP answers as results too."""
     results = {}
     client = KafkaConnection.of(kafka).kafka_python()  # a secured Kafka's settings too
     for record in topic_records(topic=topic, isolation_level="read_committed", since=since, **client):
@@ -167,7 +169,7 @@ def read_results(kafka: KafkaConfig, topic: str, since=None, uris: set[str] | No
         if uri is None or (uris is not None and uri not in uris):
             continue
         try:
-            results[uri] = decode_message(record.value, RESULT_LIMIT)
+            results[uri] = decode_answer(record.value) or decode_message(record.value, RESULT_LIMIT)
         except Exception as exc:  # a record that is no result: a writer other than the job
             print(f"replay: skipping a record of {topic} under uri={uri}: {exc}", file=sys.stderr)
     return results

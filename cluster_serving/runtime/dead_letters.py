@@ -29,7 +29,7 @@ def dead_letters(batch: DecodedBatch, outcomes: list[Outcome], kafka: KafkaConfi
     failed = [outcome for outcome in outcomes if isinstance(outcome, Message) and outcome.error is not None]
     if frame is None or not kafka.dead_letters or not (failed or batch.dropped):
         return []
-    indexes = _RequestIndex(frame)
+    indexes = _RequestIndex(frame, batch.unkeyed)
     letters = []
     for message in failed:
         index = indexes.take(message.uri)
@@ -44,12 +44,14 @@ def dead_letters(batch: DecodedBatch, outcomes: list[Outcome], kafka: KafkaConfi
 class _RequestIndex:
     """Where each uri's request is in a frame; a uri sent twice in one batch takes its places in turn."""
 
-    def __init__(self, frame: Frame):
+    def __init__(self, frame: Frame, unkeyed: dict[str, int]):
         uris = frame.alike.uris if frame.alike is not None else [uri for uri, _ in frame.records]
         self.places: dict[str, list[int]] = {}
         for index, uri in enumerate(uris):
             if uri is not None:
                 self.places.setdefault(uri, []).append(index)
+        for uri, index in unkeyed.items():  # a record without a key, answered under its value's uri
+            self.places.setdefault(uri, []).append(index)
 
     def take(self, uri: str) -> int | None:
         places = self.places.get(uri)

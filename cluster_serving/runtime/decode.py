@@ -81,6 +81,8 @@ class DecodedBatch:
     frame: Frame | None = field(default=None, repr=False)
     # The requests in an Open Inference Protocol encoding, by uri: how each is to be answered.
     answers: dict[str, OipRequest] = field(default_factory=dict)
+    # Records without a key whose value named their uri: uri -> index in the frame (for a dead letter).
+    unkeyed: dict[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -123,6 +125,7 @@ def decode_records(
     dropped: list[tuple[int, str]] = []
     expired: list[str] = []
     answers: dict[str, OipRequest] = {}
+    unkeyed: dict[str, int] = {}
     now_ms = time.time() * 1000
     for index, (key, payload) in enumerate(records):
         try:
@@ -138,10 +141,12 @@ def decode_records(
             else:
                 rejected.append(error_result(key, "bad request", exc))
             continue
+        if key is None:
+            unkeyed[message.uri] = index
         instances.append(message)
     if expired:
         log.warning("deadline exceeded, not run: %s", " ".join(f"uri={uri}" for uri in expired))
-    return DecodedBatch(instances, rejected, answers=answers), dropped
+    return DecodedBatch(instances, rejected, answers=answers, unkeyed=unkeyed), dropped
 
 
 def _decode_record(key: str | None, payload: bytes, headers: Headers, limits: LimitsConfig, now_ms: float,

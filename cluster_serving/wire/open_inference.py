@@ -190,7 +190,10 @@ def _protobuf_tensor(entry: Any, raw: bytes | None, max_bytes: int) -> tuple[str
         if field is None:
             raise DecodeError(f"input {name!r}: {entry.datatype} travels in raw contents only")
         values = getattr(entry.contents, field)
-        array = _utf8(name, list(values)) if dtype.kind == "O" else dense_array(name, list(values), dtype)
+        try:
+            array = _utf8(name, list(values)) if dtype.kind == "O" else dense_array(name, list(values), dtype)
+        except TensorError as exc:  # int_contents holds INT8 and INT16 too: a value may not fit
+            raise DecodeError(str(exc)) from None
     if array.size != count:
         raise DecodeError(f"input {name!r}: {array.size} values do not fill shape {list(shape)}")
     return name, array.reshape(shape)
@@ -245,14 +248,15 @@ def _shape(name: str, shape: Any) -> tuple[int, ...]:
 
 
 def _dtype(name: str, datatype: Any) -> np.dtype:
-    if datatype not in V2_NUMPY_DTYPES:
+    if not isinstance(datatype, str) or datatype not in V2_NUMPY_DTYPES:
         raise DecodeError(f"input {name!r}: unknown datatype {str(datatype)[:40]!r} (known: {', '.join(V2_NUMPY_DTYPES)})")
     return V2_NUMPY_DTYPES[datatype]
 
 
 def _check_size(name: str, shape: tuple[int, ...], dtype: np.dtype, max_bytes: int) -> None:
-    """A shape is only a claim: refused before anything is made of it when it is over the limit."""
-    size = math.prod(shape) * (8 if dtype.kind == "O" else dtype.itemsize)
+    """A shape is only a claim: refused before anything is made of it when it is over the limit,
+    counting a 0 dimension as 1 (an empty [2**31, 2**31, 0] nests into billions of lists)."""
+    size = math.prod(max(dim, 1) for dim in shape) * (8 if dtype.kind == "O" else dtype.itemsize)
     if size > max_bytes:
         raise TooLarge(f"input {name!r}: {size} bytes once decoded, over the limit of {max_bytes}")
 
@@ -333,7 +337,7 @@ def _json_data(array: np.ndarray) -> list[Any]:
     if array.dtype.kind == "f" and not np.isfinite(flat).all():
         return np.where(np.isfinite(flat), flat.astype(object), None).tolist()  # JSON has no NaN
     if array.dtype.kind in "OU":
-        return flat.astype(str).tolist()
+        return [str(item) for item in flat.tolist()]
     return flat.tolist()
 
 
@@ -355,8 +359,8 @@ def _raw_bytes(array: np.ndarray) -> bytes:
     """An output's raw contents: little-endian values; strings each behind a uint32 length."""
     if array.dtype.kind in "OU":
         parts = []
-        for item in array.reshape(-1).astype(str):
-            data = item.encode()
+        for item in array.reshape(-1).tolist():  # not astype(str): numpy's str drops trailing NULs
+            data = str(item).encode()
             parts += (len(data).to_bytes(4, "little"), data)
         return b"".join(parts)
     return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()

@@ -182,6 +182,32 @@ def structured() -> dict[str, bytes]:
     return seeds
 
 
+def oip_requests() -> dict[str, bytes]:
+    """OIP requests, each behind the byte that picks its encoding (even: JSON, odd: protobuf)."""
+    from open_inference.grpc.protocol import ModelInferRequest, ModelInferResponse
+
+    from cluster_serving.wire.open_inference import encode_request
+
+    tensors = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "flags": np.array([[True, False]]),
+               "text": np.array([["a", "ü"]], dtype=object), "half": np.array([[0.5, -2.0]], np.float16),
+               "big": np.array([[2**64 - 1, 3]], np.uint64)}
+    typed = ModelInferRequest(id="t")
+    typed.parameters["timeout"].int64_param = 5
+    typed.inputs.add(name="i", datatype="INT16", shape=[1, 2]).contents.int_contents.extend([-3, 7])
+    typed.inputs.add(name="s", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"text")
+    response = ModelInferResponse(id="r")
+    response.outputs.add(name="y", datatype="FP64", shape=[1])
+    response.raw_output_contents.append(np.array([1.5]).tobytes())
+    return {
+        "json": b"\0" + encode_request("json", "key", tensors),
+        "json_nested": b"\0" + b'{"inputs": [{"name": "n", "shape": [2, 2], "datatype": "INT8", "data": [[1, 2], [3, 4]]}],'
+                                b' "outputs": [{"name": "y"}], "parameters": {"timeout": 100}}',
+        "protobuf_raw": b"\1" + encode_request("protobuf", "key", tensors),
+        "protobuf_typed": b"\1" + typed.SerializeToString(),
+        "protobuf_response": b"\1" + response.SerializeToString(),
+    }
+
+
 def write(folder: Path, files: dict[str, bytes]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
@@ -200,6 +226,7 @@ def main() -> None:
     write(CORPUS / "decoder", wire)
     write(CORPUS / "batch", batches(wire, pictures["bomb_20000x20000.png"]))
     write(CORPUS / "message", structured())
+    write(CORPUS / "oip", oip_requests())
     total = sum(path.stat().st_size for path in CORPUS.rglob("*") if path.is_file())
     print(f"{sum(1 for p in CORPUS.rglob('*') if p.is_file())} files, {total} bytes under {CORPUS}")
 

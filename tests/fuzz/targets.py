@@ -15,6 +15,9 @@ guided), `tests/test_fuzz.py` replays the seed corpus through them in-process. W
   process's peak RSS grow by more than `IMAGE_RSS_GROWTH_MB` (PIL allocates with malloc, which
   tracemalloc does not see; a pixel bomb that slips past `MAX_PIXELS` shows up here). Pillow is
   configured as the decode stage configures it (`production_pillow`).
+- `oip`: `decode_request` of the Open Inference Protocol (JSON for an even first byte, protobuf
+  for an odd one, the rest the record's value) raises anything but `DecodeError`, or accepts
+  tensors that break the same bounds, or that do not survive encode_request -> decode_request.
 - `batch`: `decode_records(records, LIMITS)`, then `prepare_instances` with PREPROCESS's images,
   raises anything at all, or loses count of a record (instances + rejected + dropped must equal
   the records in).
@@ -56,6 +59,7 @@ from cluster_serving.wire.codec import (
     decode_message,
     encode_message,
 )
+from cluster_serving.wire.open_inference import decode_request, encode_request
 from tests.fuzz.streams import build_stream
 
 # Small limits: a bomb shows up as a bound broken, not as minutes of swapping.
@@ -169,7 +173,7 @@ def _same_array(x: np.ndarray, y: np.ndarray) -> bool:
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     if x.dtype == object:
-        return x.tolist() == y.tolist()
+        return x.reshape(-1).tolist() == y.reshape(-1).tolist()
     return np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes()
 
 
@@ -328,9 +332,37 @@ def check_batch(data: bytes) -> None:
                 raise FuzzBug(f"instance {message.uri!r}: {name!r} prepared to a {type(value).__name__}")
 
 
+# --------------------------------------------------------------------------------------------
+# oip: the Open Inference Protocol's JSON and protobuf requests
+
+
+def check_oip(data: bytes) -> None:
+    if not data:
+        return
+    encoding = "json" if data[0] % 2 == 0 else "protobuf"
+    payload = data[1:]
+    try:
+        message, request = decode_request(payload, encoding, "key", MAX_BYTES)
+    except DecodeError:
+        return
+    if message.uri != "key" or request.id != "key" or len(message.tensors) > MAX_TENSORS:
+        raise FuzzBug(f"accepted uri {message.uri[:40]!r}, id {request.id[:40]!r}, {len(message.tensors)} tensors")
+    decoded = sum(_check_value(name, value, MAX_BYTES) for name, value in message.tensors.items())
+    bound = AMPLIFICATION * max(len(payload), 1024)
+    if decoded > bound:
+        raise FuzzBug(f"{len(payload)} bytes on the wire decoded to {decoded} bytes (over {bound})")
+    try:
+        again, _ = decode_request(encode_request(encoding, "key", message.tensors), encoding, "key", 1 << 62)
+    except ValueError as exc:  # DecodeError is a ValueError
+        raise FuzzBug(f"an accepted request does not survive encode -> decode: {exc!r}") from exc
+    if not same_message(message, again):
+        raise FuzzBug(f"encode -> decode changed the request: {message!r} -> {again!r}")
+
+
 TARGETS = {
     "decoder": check_decoder,
     "message": check_structured,
     "image": check_image,
     "batch": check_batch,
+    "oip": check_oip,
 }
