@@ -20,6 +20,7 @@ from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.kafka.librdkafka import fetched, gc_paused, topic_partitions
 from cluster_serving.wire.codec import decode_message
+from cluster_serving.wire.open_inference import decode_answer
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
 # sleeping at least this long sends the requests that came due meanwhile together, in bursts of
@@ -109,7 +110,7 @@ class ResultReader:
             self._add(now, message)
 
     def _add(self, seconds: float, message: Message) -> None:
-        result = decode_message(message.value(), KAFKA_RECORD_BYTES)
+        result = decode_answer(message.value()) or decode_message(message.value(), KAFKA_RECORD_BYTES)
         if result.uri in self.arrivals:
             self.duplicates += 1
             return

@@ -160,6 +160,11 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
             f"the drains before it: {earlier_drains(m)})")),
         row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
+        *(row(f"  the backlog in {protocol}, running (req/s)", lambda m, protocol=protocol: (
+            f"{'at least ' if m['protocol_drains'][protocol]['bound_by_writer'] else ''}"
+            f"{m['protocol_drains'][protocol]['capacity']:,.0f} ({m['protocol_drains'][protocol]['capacity'] / m['capacity']:#.3g}"
+            f" x ours), CPU {m['protocol_drains'][protocol]['job_cpu_us_per_request']:.1f} us per request"))
+          for protocol in args.protocols),
         row("  job CPU per request, running (us)", lambda m: f"{m['job_cpu_us_per_request']:.1f}"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),
         row("  its serving stage alone (req/s)", lambda m: (

@@ -210,7 +210,7 @@ def no_results(server: ChildProcess, end: int) -> RuntimeError:
 
 
 def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
-                  samples: np.ndarray, uris: list[str]) -> tuple[float, bool, float]:
+                  samples: np.ndarray, uris: list[str], protocol: str = "native") -> tuple[float, bool, float]:
     """(capacity, bound by the writer, microseconds of the job's CPU per request): the running
     job's drain rate, and the CPU its processes (Python and the Flink JVM, all their threads) used
     from the first write of the backlog to its last result. A second backlog goes on the
@@ -221,9 +221,10 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     same job code, one evening. Should the job drain more than half of the backlog while it is
     written, what is left is too short to time: the figure is then the whole backlog over the time
     from its first write to its last result, a lower bound set by the writer."""
-    progress(model.name, f"a second backlog of {len(uris)} requests, written while the job runs ...")
+    progress(model.name, f"a second backlog of {len(uris)} requests{'' if protocol == 'native' else ' in ' + protocol},"
+                         " written while the job runs ...")
     before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
-    enqueue_batch_all(config, uris, model.input_name, samples)
+    enqueue_batch_all(config, uris, model.input_name, samples, protocol)
     written = reader.written()
     end = before + len(uris)
     if written - before <= len(uris) // 2:
@@ -303,10 +304,13 @@ def client_rate(method: str, model: BenchModel, count: int, send: Callable[[], N
     return {"method": method, "rate": rate, "mb_per_s": rate * model.instance_bytes / 1e6}
 
 
-def enqueue_batch_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray) -> None:
-    """One request per uri (input `name`, cycling through `samples`) through one enqueue_batch call."""
-    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic) as inputs:
-        inputs.enqueue_batch((uri, {name: samples[i % len(samples)]}) for i, uri in enumerate(uris))
+def enqueue_batch_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray,
+                      protocol: str = "native") -> None:
+    """One request per uri (input `name`, cycling through `samples`) through one enqueue_batch
+    call, in `protocol` (InputQueue's; in the OIP ones each a batch of one)."""
+    batch = (lambda sample: sample) if protocol == "native" else (lambda sample: sample[np.newaxis])
+    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic, protocol=protocol) as inputs:
+        inputs.enqueue_batch((uri, {name: batch(samples[i % len(samples)])}) for i, uri in enumerate(uris))
 
 
 def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
@@ -428,6 +432,10 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
             running = [f"running-{drain}-{i}" for i in range(len(backlog))]
             drains.append((running, *running_drain(config, reader, job, model, samples, running)))
         running, capacity, writer_bound, cpu_us = drains[-1]
+        # The same backlog in the peers' encodings (the client's protocol=, one instance a request).
+        protocol_drains = {protocol: ([f"{protocol}-{i}" for i in range(len(backlog))],) for protocol in args.protocols}
+        for protocol, (uris,) in protocol_drains.items():
+            protocol_drains[protocol] = (uris, *running_drain(config, reader, job, model, samples, uris, protocol))
         progress(model.name, "raw ONNX Runtime (2 of 3) ...")
         raw.append(raw_rates(session, raw_sizes))
         rate = args.rate or LATENCY_LOAD * capacity
@@ -456,6 +464,8 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "capacity_bound_by_writer": writer_bound,
         "running_drains": [{"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
                            for _, rate, bound, cpu in drains],
+        "protocol_drains": {protocol: {"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
+                            for protocol, (_, rate, bound, cpu) in protocol_drains.items()},
         "capacity_at_start": capacity_at_start,
         "job_cpu_us_per_request": cpu_us,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
@@ -465,6 +475,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "http": served,
         "missing": sum(uri not in arrivals for uri in warmup + backlog + paced_warmup + paced)
         + sum(uri not in arrivals for uris, *_ in drains for uri in uris)
+        + sum(uri not in arrivals for uris, *_ in protocol_drains.values() for uri in uris)
         + (restarted["missing"] if restarted else 0),
         "errors": sum(arrival.error for arrival in arrivals.values()),
     }
@@ -580,6 +591,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"backlog of the two-model drain, requests alternating {', '.join(MULTI_MODELS)} "
                              f"(default: --requests, else {MULTI_MODEL_REQUESTS}; 0: no two-model drain)")
     job = defaults()
+    parser.add_argument("--protocols", type=lambda text: [p for p in text.split(",") if p], default=["mlserver", "oip-protobuf"],
+                        help="after the running drains, drain the same backlog written in these OIP encodings "
+                        "(InputQueue's protocol=: mlserver, oip-json, oip-protobuf; '' for none)")
     parser.add_argument("--batch-size", type=int, default=job.batching.batch_size)
     parser.add_argument("--max-delay-ms", type=int, default=job.batching.max_delay_ms)
     parser.add_argument("--parallelism", type=int, default=job.flink.parallelism)

@@ -5,6 +5,7 @@ other requests, and their outcomes are gathered back into one result per request
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +13,8 @@ import numpy as np
 from cluster_serving.runtime.outcomes import Outcome, Rows
 from cluster_serving.wire.codec import Message
 from cluster_serving.wire.open_inference import OipRequest
+
+log = logging.getLogger(__name__)
 
 # Between a request's uri and a row's number in the uri of that row.
 _ROW = "\x1f"
@@ -37,12 +40,16 @@ def check_route(requests: list[Message], answers: dict[str, OipRequest], model: 
         if not named:
             kept.append(message)
             continue
-        refused.append(Message(
-            message.uri, error=f"bad request: the request names model {request.model_name or model!r} version"
+        refused.append(_refused(
+            message.uri, f"the request names model {request.model_name or model!r} version"
             f" {request.model_version or version!r}, its record is routed to {model!r} version {version} (the record's"
-            " model and version headers route a request; without them, the default model's newest version)",
-            error_code="bad_request", model=model, model_version=version))
+            " model and version headers route a request; without them, the default model's newest version)"))
     return kept, refused
+
+
+def _refused(uri: str, why: str) -> Message:
+    log.warning("uri=%s bad request: %s", uri, why)
+    return Message(uri, error=f"bad request: {why}", error_code="bad_request")
 
 
 def split_rows(requests: list[Message], answers: dict[str, OipRequest], batched: bool
@@ -59,8 +66,7 @@ def split_rows(requests: list[Message], answers: dict[str, OipRequest], batched:
         else:
             leading = {np.shape(value)[:1] for value in message.tensors.values()}
             if len(leading) != 1 or () in leading or leading == {(0,)}:
-                refused.append(Message(message.uri, error="bad request: every input needs the same leading batch"
-                                       " dimension, at least 1", error_code="bad_request"))
+                refused.append(_refused(message.uri, "every input needs the same leading batch dimension, at least 1"))
                 continue
             ((count,),) = leading
             split.rows[message.uri] = count

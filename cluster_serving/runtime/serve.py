@@ -1,11 +1,14 @@
 """The serving core: a micro-batch of one route -> its servable's results, without Flink.
 
 `BatchServer.serve_frame` is one batch's whole path, top to bottom: read the frame the JVM sends,
-decode its records (those past their deadline answered without running), resolve the route to a servable and version (servables.py), make images and
-sparse tensors arrays as the servable says, run its preprocess function, its model (or its
+decode its records (in our format or an Open Inference Protocol encoding; those past their
+deadline answered without running), resolve the route to a servable and version (servables.py),
+split OIP requests into the rows the model runs (open_inference.py), make images and sparse
+tensors arrays as the servable says, run its preprocess function, its model (or its
 pipeline's steps), its postprocess function and top-N, tag every result with the model and version
-that served it, and write the results' frame, with a dead letter for every request that failed. Each request's problem is its own error result; the
-batch's other requests are served. The Flink job (job/operators.py) calls the same steps one
+that served it, gather each OIP request's rows again, and write the results' frame (OIP answers
+in their encoding), with a dead letter for every request that failed. Each request's problem is
+its own error result; the batch's other requests are served. The Flink job (job/operators.py) calls the same steps one
 operator at a time, to count them in the Flink UI.
 """
 

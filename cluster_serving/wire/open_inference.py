@@ -303,16 +303,22 @@ def _uri(key: str | None, request_id: str) -> str:
     return uri
 
 
+def missing_output(request: OipRequest, result: Message) -> str | None:
+    """Why the outputs the request asked for are not all in the result; None when they are."""
+    missing = [name for name in request.outputs or () if name not in result.tensors]
+    return f"no output {missing[0]!r}; the model has {', '.join(result.tensors)}" if missing else None
+
+
 def encode_answer(request: OipRequest, result: Message) -> bytes:
     """The answer to an OIP request in its encoding: an `InferenceResponse` / `ModelInferResponse`
     of the request's id, the model and version that served it and its outputs (the ones it asked
     for); an error result as the OIP error (`error`) with its `error_code`."""
     outputs = result.tensors
     if result.error is None and request.outputs:
-        missing = [name for name in request.outputs if name not in outputs]
-        if missing:
-            result = Message(result.uri, error=f"bad request: no output {missing[0]!r}; the model has {', '.join(outputs)}",
-                             error_code="bad_request", model=result.model, model_version=result.model_version)
+        missing = missing_output(request, result)
+        if missing is not None:
+            result = Message(result.uri, error=f"bad request: {missing}", error_code="bad_request",
+                             model=result.model, model_version=result.model_version)
         outputs = {name: outputs[name] for name in request.outputs if name in outputs}
     arrays = {name: np.asarray(value) for name, value in outputs.items()}
     if request.encoding == "json":
