@@ -296,7 +296,8 @@ def test_only_the_outputs_asked_for(jvm, every_datatype: BatchServer) -> None:  
     answers, _ = served(jvm, every_datatype, [("some", orjson.dumps(asked), MLSERVER)])
     assert [out["name"] for out in orjson.loads(answers["some"])["outputs"]] == ["out_INT8", "out_BYTES"]
     asked["outputs"] = [{"name": "nope"}]
-    answers, _ = served(jvm, every_datatype, [("none", orjson.dumps(asked), MLSERVER)])
+    answers, letters = served(jvm, every_datatype, [("none", orjson.dumps(asked), MLSERVER)])
+    assert letters["none"][1]["cluster-serving-error-code"] == b"bad_request"
     assert error_of("json", answers["none"]) == ("bad_request", "bad request: no output 'nope'; the model has "
                                                  + ", ".join(f"out_{name}" for name in DATATYPES))
 

@@ -10,7 +10,7 @@ from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.runtime.frames import AlikeResults, DeadLetter, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
 from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, carries, encode_message, encode_rows, stacked_rows
-from cluster_serving.wire.open_inference import OipRequest, encode_answer, missing_output
+from cluster_serving.wire.open_inference import OipRequest, encode_answer
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,6 @@ def encode_outcomes(outcomes: list[Outcome], answers: dict[str, OipRequest]) -> 
 
 def encode_oip_answer(request: OipRequest, result: Message) -> bytes:
     """An OIP request's answer, in its encoding; refused as encode_result refuses ours."""
-    missing = missing_output(request, result) if result.error is None else None
-    if missing is not None:
-        log.warning("uri=%s bad request: %s", result.uri, missing)
     try:
         payload = encode_answer(request, result)
     except ValueError as exc:

@@ -12,7 +12,7 @@ import numpy as np
 
 from cluster_serving.runtime.outcomes import Outcome, Rows
 from cluster_serving.wire.codec import Message
-from cluster_serving.wire.open_inference import OipRequest
+from cluster_serving.wire.open_inference import OipRequest, missing_output
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def check_route(requests: list[Message], answers: dict[str, OipRequest], model: 
     return kept, refused
 
 
-def _refused(uri: str, why: str) -> Message:
+def _refused(uri: str, why: str, model: str | None = None, version: int | None = None) -> Message:
     log.warning("uri=%s bad request: %s", uri, why)
-    return Message(uri, error=f"bad request: {why}", error_code="bad_request")
+    return Message(uri, error=f"bad request: {why}", error_code="bad_request", model=model, model_version=version)
 
 
 def split_rows(requests: list[Message], answers: dict[str, OipRequest], batched: bool
@@ -77,9 +77,10 @@ def split_rows(requests: list[Message], answers: dict[str, OipRequest], batched:
     return instances, refused, split
 
 
-def gather_rows(outcomes: list[Outcome], split: SplitRequests) -> list[Outcome]:
+def gather_rows(outcomes: list[Outcome], split: SplitRequests, answers: dict[str, OipRequest]) -> list[Outcome]:
     """The outcomes with each split request's rows gathered into its one result: the outputs
-    stacked again (batch dimension first), or the first error among its rows."""
+    stacked again (batch dimension first), or the first error among its rows, or a bad_request
+    when it asked for an output the model has not."""
     if not split.owner:
         return outcomes
     kept: list[Outcome] = []
@@ -95,7 +96,11 @@ def gather_rows(outcomes: list[Outcome], split: SplitRequests) -> list[Outcome]:
             else:
                 parts.setdefault(owner[0], {})[owner[1]] = message
     for uri, rows in parts.items():
-        kept.append(_gathered(uri, rows, split.rows[uri]))
+        result = _gathered(uri, rows, split.rows[uri])
+        missing = missing_output(answers[uri], result) if result.error is None else None
+        if missing is not None:
+            result = _refused(uri, missing, result.model, result.model_version)
+        kept.append(result)
     return kept
 
 

@@ -101,7 +101,7 @@ class BatchServer:
             outcome.model, outcome.model_version = name, version
             if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
                 outcome.inference_us = elapsed_us
-        outcomes = gather_rows(outcomes, split)
+        outcomes = gather_rows(outcomes, split, batch.answers)
         failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
         return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed)
 
