@@ -87,15 +87,15 @@ class OipRequest:
 
 
 def protocol_of(headers: Sequence[tuple[str, bytes | None]], payload: bytes) -> str | None:
-    """The encoding ("json" or "protobuf") a record's headers, or for a record without them its
-    value, say it is in; None for our own format. A `seldon-infer-type` it does not know is a
-    DecodeError."""
+    """The encoding ("json", "protobuf", or "protobuf-response": a Seldon ModelInferResponse to
+    chain) a record's headers say it is in; None for our own format. A `seldon-infer-type` it
+    does not know is a DecodeError."""
     for name, value in headers:
         if name == SELDON_TYPE_HEADER:
             kind = (value or b"").decode(errors="replace")
             if kind not in SELDON_TYPES:
                 raise DecodeError(f"header {SELDON_TYPE_HEADER} {kind[:60]!r} is none of {', '.join(SELDON_TYPES)}")
-            return "json" if kind.startswith("json/") else "protobuf"
+            return "json" if kind.startswith("json/") else "protobuf-response" if kind == PROTO_RESPONSE else "protobuf"
     if any(name == MLSERVER_MODEL_HEADER for name, _ in headers):
         return "json"
     return None
@@ -116,12 +116,12 @@ def decode_request(payload: bytes, encoding: str, key: str | None, max_bytes: in
         raise TooLarge(f"message of {len(payload)} bytes exceeds the limit of {max_bytes}")
     if encoding == "json":
         return _from_json(payload, key, max_bytes)
-    return _from_protobuf(payload, key, max_bytes)
+    return _from_protobuf(payload, key, max_bytes, response_kind=encoding == "protobuf-response")
 
 
 def answer_to(encoding: str, key: str | None) -> OipRequest:
     """How to answer a record in `encoding` that did not parse: an error in its encoding."""
-    return OipRequest(encoding, key or "")
+    return OipRequest("json" if encoding == "json" else "protobuf", key or "")
 
 
 def _from_json(payload: bytes, key: str | None, max_bytes: int) -> tuple[Message, OipRequest]:
@@ -158,12 +158,16 @@ def _json_tensor(entry: Any, max_bytes: int) -> tuple[str, np.ndarray]:
     return name, array.reshape(shape)
 
 
-def _from_protobuf(payload: bytes, key: str | None, max_bytes: int) -> tuple[Message, OipRequest]:
-    body = _parsed(_messages().ModelInferRequest, payload)
+def _from_protobuf(payload: bytes, key: str | None, max_bytes: int, response_kind: bool = False
+                   ) -> tuple[Message, OipRequest]:
+    """A ModelInferRequest; failing that (or for a record that says it is one) a ModelInferResponse,
+    the outputs of the model before, as Seldon chains them."""
+    body = None if response_kind else _parsed(_messages().ModelInferRequest, payload)
     if body is None or not body.inputs:
-        response = _parsed(_messages().ModelInferResponse, payload)  # a Seldon response kind: the model before's outputs
+        response = _parsed(_messages().ModelInferResponse, payload)
         if response is None or not response.outputs:
-            raise DecodeError("not an OIP protobuf ModelInferRequest with inputs")
+            kind = "ModelInferResponse with outputs" if response_kind else "ModelInferRequest with inputs"
+            raise DecodeError(f"not an OIP protobuf {kind}")
         entries, raw = response.outputs, response.raw_output_contents
         request = OipRequest("protobuf", _id(key, response.id), response.model_name, response.model_version)
     else:
