@@ -16,7 +16,8 @@ import pytest
 import uvicorn
 
 from cluster_serving.config import load_config
-from cluster_serving.http.asgi.binary_tensors import values_from_bytes, values_to_bytes
+from cluster_serving.http.asgi.binary_tensors import values_from_bytes
+from cluster_serving.wire.tensors import raw_bytes
 from cluster_serving.http.dataplane import Bridge
 from cluster_serving.http.errors import BridgeError
 from cluster_serving.http.json_tensors import strict_json, v2_instances
@@ -199,7 +200,7 @@ def test_binary_tensor_values_round_trip_every_datatype() -> None:
     for array in (np.arange(6, dtype=np.int16), np.array([True, False]), np.array(["a", "", "żółw"], dtype=object),
                   np.linspace(0, 1, 5, dtype=np.float16)):
         datatype = "BYTES" if array.dtype.kind == "O" else TensorSpec("x", array.dtype, ()).datatype
-        back = values_from_bytes("x", datatype, values_to_bytes(array))
+        back = values_from_bytes("x", datatype, raw_bytes(array))
         assert back.tolist() == array.tolist()
 
 

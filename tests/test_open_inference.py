@@ -234,13 +234,18 @@ BAD = {
                                   MLSERVER, "bad_request", "in_INT32"),
     "not protobuf": ("protobuf", b"\xff\x00garbage", SELDON_PROTO, "bad_request", "not an OIP protobuf ModelInferRequest"),
     "a shape far over the limit": ("protobuf", None, SELDON_PROTO, "too_large", "over the limit"),
-    "raw bytes short of the shape": ("protobuf", None, SELDON_PROTO, "bad_request", "raw bytes for"),
+    "raw bytes short of the shape": ("protobuf", None, SELDON_PROTO, "bad_request", "1 values do not fill shape [1, 2]"),
+    "a BOOL byte that is not 0 or 1": ("protobuf", None, SELDON_PROTO, "bad_request", "a BOOL value is one byte, 0 or 1"),
     "an unknown seldon type": ("json", b"{}", [("seldon-infer-type", b"json/somethingElse")], None, "seldon-infer-type"),
 }
 
 
 def bad_protobuf(case: str) -> bytes:
     request = ModelInferRequest()
+    if case == "a BOOL byte that is not 0 or 1":
+        request.inputs.add(name="in_BOOL", datatype="BOOL", shape=[1, 2])
+        request.raw_input_contents.append(b"\x01\x02")
+        return request.SerializeToString()
     request.inputs.add(name="in_FP32", datatype="FP32", shape=[1 << 30, 2] if case == "a shape far over the limit" else [1, 2])
     request.raw_input_contents.append(b"\0" * 4)
     return request.SerializeToString()

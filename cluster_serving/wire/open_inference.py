@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
+from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array, raw_bytes, raw_values
 from cluster_serving.wire.values import MAX_RANK, MAX_TENSORS, MAX_URI_CHARS, DecodeError, Message, TooLarge, check_uri
 
 # The record's timestamp (epoch ms), which the JVM adds to an OIP request's headers: its `timeout`
@@ -47,7 +47,6 @@ _CONTENTS = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }
-_LENGTH = np.dtype("<u4")
 
 
 @functools.cache
@@ -188,7 +187,10 @@ def _protobuf_tensor(entry: Any, raw: bytes | None, max_bytes: int) -> tuple[str
     _check_size(name, shape, dtype, max_bytes)
     count = math.prod(shape)
     if raw is not None:
-        array = _raw_strings(name, raw) if dtype.kind == "O" else _raw_numbers(name, raw, dtype, count)
+        try:
+            array = raw_values(name, dtype, raw)
+        except TensorError as exc:
+            raise DecodeError(str(exc)) from None
     else:
         field = _CONTENTS.get(entry.datatype)
         if field is None:
@@ -201,27 +203,6 @@ def _protobuf_tensor(entry: Any, raw: bytes | None, max_bytes: int) -> tuple[str
     if array.size != count:
         raise DecodeError(f"input {name!r}: {array.size} values do not fill shape {list(shape)}")
     return name, array.reshape(shape)
-
-
-def _raw_numbers(name: str, raw: bytes, dtype: np.dtype, count: int) -> np.ndarray:
-    if len(raw) != count * dtype.itemsize:
-        raise DecodeError(f"input {name!r}: {len(raw)} raw bytes for {count} {dtype.name} values")
-    return np.frombuffer(raw, dtype.newbyteorder("<"))
-
-
-def _raw_strings(name: str, raw: bytes) -> np.ndarray:
-    """BYTES in raw contents: each element a little-endian uint32 length, then its bytes."""
-    items, at = [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise DecodeError(f"input {name!r}: raw BYTES contents cut short")
-        (length,) = np.frombuffer(raw, _LENGTH, 1, at)
-        at += 4
-        if at + int(length) > len(raw):
-            raise DecodeError(f"input {name!r}: raw BYTES contents cut short")
-        items.append(raw[at:at + int(length)])
-        at += int(length)
-    return _utf8(name, items)
 
 
 def _utf8(name: str, items: list[bytes]) -> np.ndarray:
@@ -361,19 +342,8 @@ def _protobuf_answer(request: OipRequest, result: Message, arrays: dict[str, np.
         return response.SerializeToString()
     for name, array in arrays.items():
         response.outputs.add(name=name, datatype=_datatype(array), shape=list(array.shape))
-        response.raw_output_contents.append(_raw_bytes(array))
+        response.raw_output_contents.append(raw_bytes(array))
     return response.SerializeToString()
-
-
-def _raw_bytes(array: np.ndarray) -> bytes:
-    """An output's raw contents: little-endian values; strings each behind a uint32 length."""
-    if array.dtype.kind in "OU":
-        parts = []
-        for item in array.reshape(-1).tolist():  # not astype(str): numpy's str drops trailing NULs
-            data = str(item).encode()
-            parts += (len(data).to_bytes(4, "little"), data)
-        return b"".join(parts)
-    return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
 
 
 # Keyed by the dtype itself: dtype.name is computed in Python, slowly, and this is per output.
@@ -424,6 +394,6 @@ def encode_request(encoding: str, request_id: str, tensors: dict[str, np.ndarray
         request.model_version = version
     for name, array in arrays.items():
         request.inputs.add(name=name, datatype=_datatype(array), shape=list(array.shape))
-        request.raw_input_contents.append(_raw_bytes(array))
+        request.raw_input_contents.append(raw_bytes(array))
     return request.SerializeToString()
 

@@ -8,6 +8,7 @@ Python values; they must agree on every name and rule, so each is written here o
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,3 +166,50 @@ def cast_changes_values(array: np.ndarray, dtype: np.dtype) -> bool:
         with np.errstate(over="ignore"):
             return bool((np.isfinite(array.astype(dtype)) != np.isfinite(array)).any())
     return False
+
+
+# The open inference protocol's raw tensor layout (KServe's binary tensor extension over HTTP, the
+# protobuf raw contents): values little-endian and row-major, BOOL one byte each (0 or 1), BYTES
+# each a 4-byte little-endian length and that many bytes (UTF-8 text: string tensors hold str).
+RAW_LENGTH = struct.Struct("<I")
+
+
+def raw_values(name: str, dtype: np.dtype, chunk: bytes) -> np.ndarray:
+    """One input's values from the raw layout, flat (the caller checks them against the shape);
+    TensorError for bytes that are not values of `dtype`."""
+    if dtype.kind == "O":
+        return _raw_strings(name, chunk)
+    if chunk and len(chunk) % dtype.itemsize:
+        raise TensorError(f"input {name!r}: {len(chunk)} bytes are not a whole number of {V2_DATATYPES[dtype.name]} values")
+    if dtype.kind == "b":
+        raw = np.frombuffer(chunk, np.uint8)
+        if raw.size and raw.max() > 1:
+            raise TensorError(f"input {name!r}: a BOOL value is one byte, 0 or 1")
+        return raw.view(bool)
+    return np.frombuffer(chunk, dtype.newbyteorder("<"))
+
+
+def _raw_strings(name: str, chunk: bytes) -> np.ndarray:
+    values, at = [], 0
+    while at < len(chunk):
+        if at + RAW_LENGTH.size > len(chunk):
+            raise TensorError(f"input {name!r}: BYTES data end inside a length prefix")
+        (length,) = RAW_LENGTH.unpack_from(chunk, at)
+        at += RAW_LENGTH.size
+        if at + length > len(chunk):
+            raise TensorError(f"input {name!r}: a BYTES value of {length} bytes runs past the data")
+        try:
+            values.append(chunk[at: at + length].decode())
+        except UnicodeDecodeError:
+            raise TensorError(f"input {name!r}: BYTES values must be UTF-8 text") from None
+        at += length
+    return np.array(values, dtype=object)
+
+
+def raw_bytes(array: np.ndarray) -> bytes:
+    """An array's values in the raw layout (strings each behind their length; str() of each, not
+    numpy's astype(str), which drops trailing NULs)."""
+    if array.dtype.kind in "OU":
+        texts = [str(value).encode() for value in array.reshape(-1).tolist()]
+        return b"".join(RAW_LENGTH.pack(len(text)) + text for text in texts)
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()

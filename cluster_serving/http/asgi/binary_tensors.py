@@ -13,7 +13,6 @@ Values are little-endian, row-major; BOOL is one byte per value (0 or 1); BYTES 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +21,9 @@ from starlette.types import Send
 
 from cluster_serving.http.errors import InvalidRequest
 from cluster_serving.http.json_tensors import json_bytes, v2_numpy_dtype
+from cluster_serving.wire.tensors import TensorError, raw_values
 
 HEADER_LENGTH = "inference-header-content-length"
-BYTES_LENGTH = struct.Struct("<I")
 
 
 def split_body(body: bytes, header_length: str) -> tuple[bytes, bytes]:
@@ -64,42 +63,10 @@ def with_binary_values(inputs: list[dict[str, Any]], binary: bytes) -> list[dict
 
 def values_from_bytes(name: str, datatype: str, chunk: bytes) -> np.ndarray:
     """One input's values, flat; the caller checks them against the shape."""
-    if datatype == "BYTES":
-        return _strings(name, chunk)
-    dtype = v2_numpy_dtype(name, datatype)
-    if chunk and len(chunk) % dtype.itemsize:
-        raise InvalidRequest(f"input {name!r}: {len(chunk)} bytes are not a whole number of {datatype} values")
-    if dtype.kind == "b":
-        raw = np.frombuffer(chunk, np.uint8)
-        if raw.size and raw.max() > 1:
-            raise InvalidRequest(f"input {name!r}: a BOOL value is one byte, 0 or 1")
-        return raw.view(bool)
-    return np.frombuffer(chunk, dtype.newbyteorder("<"))
-
-
-def _strings(name: str, chunk: bytes) -> np.ndarray:
-    values, at = [], 0
-    while at < len(chunk):
-        if at + BYTES_LENGTH.size > len(chunk):
-            raise InvalidRequest(f"input {name!r}: BYTES data end inside a length prefix")
-        (length,) = BYTES_LENGTH.unpack_from(chunk, at)
-        at += BYTES_LENGTH.size
-        if at + length > len(chunk):
-            raise InvalidRequest(f"input {name!r}: a BYTES value of {length} bytes runs past the data")
-        try:
-            values.append(chunk[at: at + length].decode())
-        except UnicodeDecodeError:
-            raise InvalidRequest(f"input {name!r}: BYTES values must be UTF-8 text") from None
-        at += length
-    return np.array(values, dtype=object)
-
-
-def values_to_bytes(array: np.ndarray) -> bytes:
-    """An output's values in the extension's layout."""
-    if array.dtype.kind in "OU":
-        texts = [str(value).encode() for value in array.reshape(-1)]
-        return b"".join(BYTES_LENGTH.pack(len(text)) + text for text in texts)
-    return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+    try:
+        return raw_values(name, v2_numpy_dtype(name, datatype), chunk)
+    except TensorError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import BaseModel, Field, PrivateAttr
 
-from cluster_serving.http.asgi.binary_tensors import BinaryAnswer, values_to_bytes, with_binary_values
+from cluster_serving.http.asgi.binary_tensors import BinaryAnswer, with_binary_values
 from cluster_serving.http.asgi.fast_path import predict_route
 from cluster_serving.http.asgi.openapi import documented, model_path, version_path
 from cluster_serving.http.catalog import Target, platform
@@ -22,6 +22,7 @@ from cluster_serving.http.errors import ModelNotFound, NotReady, Unauthenticated
 from cluster_serving.http.json_tensors import v2_datatype, v2_instances, v2_json_output, v2_output_arrays
 from cluster_serving.runtime.signature import tensor_metadata
 from cluster_serving.wire.codec import MAX_RANK
+from cluster_serving.wire.tensors import raw_bytes
 
 TAGS: list[str | Enum] = ["KServe v2"]
 
@@ -119,7 +120,7 @@ async def infer(bridge: Bridge, target: Target, body: InferRequest) -> dict[str,
     outputs, chunks = [], []
     for name, array in arrays.items():
         if name in binary:
-            chunks.append(values_to_bytes(array))
+            chunks.append(raw_bytes(array))
             outputs.append({"name": name, "shape": list(array.shape), "datatype": v2_datatype(array),
                             "parameters": {"binary_data_size": len(chunks[-1])}})
         else:
