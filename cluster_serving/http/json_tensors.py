@@ -23,7 +23,7 @@ from cluster_serving.http.errors import InvalidRequest, TooLarge
 from cluster_serving.runtime.signature import ModelSignature
 from cluster_serving.wire.codec import Message, Value
 from cluster_serving.wire.inputs import json_inputs, result_of
-from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array
+from cluster_serving.wire.tensors import V2_NUMPY_DTYPES, TensorError, dense_array, json_values, v2_datatype
 
 
 def strict_json(body: bytes) -> Any:
@@ -170,15 +170,6 @@ def _v2_batch(tensors: list[V2Tensor], batched: bool, max_instances: int) -> int
     return count
 
 
-def json_values(array: np.ndarray) -> Any:
-    """An array as nested JSON lists; NaN and infinities (not JSON) become null."""
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        return np.where(np.isfinite(array), array.astype(object), None).tolist()
-    if array.dtype.kind in "OU":
-        return array.astype(str).tolist()
-    return array.tolist()
-
-
 def prediction(result: Message) -> Any:
     """One result as a v1 prediction: the output's values when there is one output, else an object
     of output name -> values; a top-N result is its {class: probability} object."""
@@ -199,10 +190,6 @@ def v2_output_arrays(results: list[Message], batched: bool, wanted: list[str] | 
         parts = [np.asarray(result.tensors[name]) for result in results]
         arrays[name] = np.stack(parts) if batched else parts[0]
     return arrays
-
-
-def v2_datatype(array: np.ndarray) -> str:
-    return V2_DATATYPES.get(array.dtype.name, "BYTES")
 
 
 def v2_json_output(name: str, array: np.ndarray) -> dict[str, Any]:

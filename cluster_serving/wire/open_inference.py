@@ -27,8 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from cluster_serving.wire.tensors import V2_DATATYPES, V2_NUMPY_DTYPES, TensorError, dense_array, raw_bytes, raw_values
-from cluster_serving.wire.values import MAX_RANK, MAX_TENSORS, MAX_URI_CHARS, DecodeError, Message, TooLarge, check_uri
+from cluster_serving.wire.tensors import (
+    V2_NUMPY_DTYPES,
+    TensorError,
+    dense_array,
+    json_values,
+    raw_bytes,
+    raw_values,
+    v2_datatype,
+)
+from cluster_serving.wire.values import MAX_RANK, MAX_TENSORS, DecodeError, Message, TooLarge, check_uri
 
 # The record's timestamp (epoch ms), which the JVM adds to an OIP request's headers: its `timeout`
 # parameter (microseconds, as Triton's) counts from it.
@@ -282,8 +290,6 @@ def _id(key: str | None, body_id: Any) -> str:
 
 def _uri(key: str | None, request_id: str) -> str:
     uri = key or request_id
-    if len(uri) > MAX_URI_CHARS:
-        raise DecodeError("missing or over-long uri")
     check_uri(uri)
     return uri
 
@@ -299,11 +305,7 @@ def encode_answer(request: OipRequest, result: Message) -> bytes:
     of the request's id, the model and version that served it and its outputs (the ones it asked
     for); an error result as the OIP error (`error`) with its `error_code`."""
     outputs = result.tensors
-    if result.error is None and request.outputs:
-        missing = missing_output(request, result)
-        if missing is not None:
-            result = Message(result.uri, error=f"bad request: {missing}", error_code="bad_request",
-                             model=result.model, model_version=result.model_version)
+    if request.outputs:  # the serving path answered a missing one with an error (missing_output)
         outputs = {name: outputs[name] for name in request.outputs if name in outputs}
     arrays = {name: np.asarray(value) for name, value in outputs.items()}
     if request.encoding == "json":
@@ -318,18 +320,9 @@ def _json_answer(request: OipRequest, result: Message, arrays: dict[str, np.ndar
     if result.error is not None:
         body |= {"error": result.error, "error_code": result.error_code or "internal"}
     else:
-        body["outputs"] = [{"name": name, "shape": list(array.shape), "datatype": _datatype(array),
-                            "data": _json_data(array)} for name, array in arrays.items()]
+        body["outputs"] = [{"name": name, "shape": list(array.shape), "datatype": v2_datatype(array),
+                            "data": json_values(array.reshape(-1))} for name, array in arrays.items()]
     return _orjson().dumps(body)
-
-
-def _json_data(array: np.ndarray) -> list[Any]:
-    flat = array.reshape(-1)
-    if array.dtype.kind == "f" and not np.isfinite(flat).all():
-        return np.where(np.isfinite(flat), flat.astype(object), None).tolist()  # JSON has no NaN
-    if array.dtype.kind in "OU":
-        return [str(item) for item in flat.tolist()]
-    return flat.tolist()
 
 
 def _protobuf_answer(request: OipRequest, result: Message, arrays: dict[str, np.ndarray]) -> bytes:
@@ -341,17 +334,9 @@ def _protobuf_answer(request: OipRequest, result: Message, arrays: dict[str, np.
         response.parameters["error_code"].string_param = result.error_code or "internal"
         return response.SerializeToString()
     for name, array in arrays.items():
-        response.outputs.add(name=name, datatype=_datatype(array), shape=list(array.shape))
+        response.outputs.add(name=name, datatype=v2_datatype(array), shape=list(array.shape))
         response.raw_output_contents.append(raw_bytes(array))
     return response.SerializeToString()
-
-
-# Keyed by the dtype itself: dtype.name is computed in Python, slowly, and this is per output.
-_DATATYPES = {np.dtype(name): datatype for name, datatype in V2_DATATYPES.items()}
-
-
-def _datatype(array: np.ndarray) -> str:
-    return _DATATYPES.get(array.dtype, "BYTES")
 
 
 def decode_answer(payload: bytes) -> Message | None:
@@ -387,13 +372,13 @@ def encode_request(encoding: str, request_id: str, tensors: dict[str, np.ndarray
     arrays = {name: np.asarray(value) for name, value in tensors.items()}
     if encoding == "json":
         return _orjson().dumps({"id": request_id, "inputs": [
-            {"name": name, "shape": list(array.shape), "datatype": _datatype(array), "data": _json_data(array)}
+            {"name": name, "shape": list(array.shape), "datatype": v2_datatype(array), "data": json_values(array.reshape(-1))}
             for name, array in arrays.items()]})
     request = _messages().ModelInferRequest(model_name=model, id=request_id)
     if version:
         request.model_version = version
     for name, array in arrays.items():
-        request.inputs.add(name=name, datatype=_datatype(array), shape=list(array.shape))
+        request.inputs.add(name=name, datatype=v2_datatype(array), shape=list(array.shape))
         request.raw_input_contents.append(raw_bytes(array))
     return request.SerializeToString()
 

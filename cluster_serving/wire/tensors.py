@@ -34,6 +34,9 @@ _DTYPES: dict[str, tuple[str, str]] = {
 ONNX_DTYPES: dict[str, np.dtype] = {onnx: np.dtype(name) for name, (onnx, _) in _DTYPES.items()}
 V2_DATATYPES: dict[str, str] = {name: v2 for name, (_, v2) in _DTYPES.items()}
 V2_NUMPY_DTYPES: dict[str, np.dtype] = {v2: np.dtype(name) for name, (_, v2) in _DTYPES.items()}
+# The same keyed by the dtype itself: dtype.name is computed in Python, slowly, and v2_datatype
+# runs per output of every answer.
+_V2_BY_DTYPE: dict[np.dtype, str] = {np.dtype(name): v2 for name, (_, v2) in _DTYPES.items()}
 
 
 class TensorError(ValueError):
@@ -213,3 +216,18 @@ def raw_bytes(array: np.ndarray) -> bytes:
         texts = [str(value).encode() for value in array.reshape(-1).tolist()]
         return b"".join(RAW_LENGTH.pack(len(text)) + text for text in texts)
     return np.ascontiguousarray(array, array.dtype.newbyteorder("<")).tobytes()
+
+
+def v2_datatype(array: np.ndarray) -> str:
+    """The open inference protocol's datatype of an array; strings (and anything else) BYTES."""
+    return _V2_BY_DTYPE.get(array.dtype) or V2_DATATYPES.get(array.dtype.name, "BYTES")
+
+
+def json_values(array: np.ndarray) -> Any:
+    """An array as nested JSON lists; NaN and infinities (not JSON) become null; strings each
+    str() (not numpy's astype(str), which drops trailing NULs)."""
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        return np.where(np.isfinite(array), array.astype(object), None).tolist()
+    if array.dtype.kind in "OU":
+        return np.asarray(np.frompyfunc(str, 1, 1)(array), dtype=object).tolist()
+    return array.tolist()

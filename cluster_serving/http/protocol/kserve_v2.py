@@ -19,10 +19,10 @@ from cluster_serving.http.asgi.openapi import documented, model_path, version_pa
 from cluster_serving.http.catalog import Target, platform
 from cluster_serving.http.dataplane import Bridge
 from cluster_serving.http.errors import ModelNotFound, NotReady, Unauthenticated
-from cluster_serving.http.json_tensors import v2_datatype, v2_instances, v2_json_output, v2_output_arrays
+from cluster_serving.http.json_tensors import v2_instances, v2_json_output, v2_output_arrays
 from cluster_serving.runtime.signature import tensor_metadata
 from cluster_serving.wire.codec import MAX_RANK
-from cluster_serving.wire.tensors import raw_bytes
+from cluster_serving.wire.tensors import raw_bytes, v2_datatype
 
 TAGS: list[str | Enum] = ["KServe v2"]
 
