@@ -13,7 +13,9 @@ from cluster_serving.wire.codec import MAX_URI_CHARS
 from cluster_serving.runtime.frames import (
     BATCH,
     CONTROL,
+    DRAIN,
     NO_URI,
+    POLL,
     Frame,
     FrameError,
     Source,
@@ -23,6 +25,7 @@ from cluster_serving.runtime.frames import (
     write_control_frame,
     write_frame,
     write_headers,
+    write_signal_frame,
 )
 
 U32 = struct.Struct("<I")
@@ -77,8 +80,16 @@ def test_python_writers_match_the_layout() -> None:
     records = [("u", b"p"), (None, b"")]
     assert write_batch_frame("m", "2", records) == by_hand(b"Bm\t2", [(b"u", b"p"), (None, b"")])
     assert write_control_frame("1\ta\na\t1\t0\t") == by_hand(b"C1\ta\na\t1\t0\t", [])
-    # Results: no header, no sources, the dead letters' count.
-    assert write_frame([("u", b"p")]) == by_hand(b"", [(b"u", b"p")], sources=b"")[4:] + U32.pack(0)
+    assert write_signal_frame(POLL) == by_hand(b"P", []) and write_signal_frame(DRAIN) == by_hand(b"D", [])
+    # Results: the batches held, no header, no sources, the dead letters' count.
+    assert write_frame([("u", b"p")], held=3) == U32.pack(3) + by_hand(b"", [(b"u", b"p")], sources=b"")[4:] + U32.pack(0)
+
+
+@pytest.mark.parametrize("kind,letter", [(POLL, b"P"), (DRAIN, b"D")])
+def test_poll_and_drain_frames(kind: str, letter: bytes) -> None:
+    assert plain(read_frame(by_hand(letter, []))) == (kind, "", "", None, [])
+    with pytest.raises(FrameError, match=f"a {kind} frame carries 1 records"):
+        read_frame(by_hand(letter, [(b"a", b"1")]))
 
 
 def test_sources_and_their_headers() -> None:
@@ -197,6 +208,8 @@ def test_jvm_frames_read_in_python(jvm) -> None:
     assert plain(read_frame(bytes(jvm.BatchFrames.encodeControl("1\tm\nm\t1\t0\t")))) == (
         CONTROL, "", "", "1\tm\nm\t1\t0\t", [],
     )
+    assert plain(read_frame(bytes(jvm.BatchFrames.encodeSignal("P")))) == (POLL, "", "", None, [])
+    assert jvm.BatchFrames.held(write_frame([("u", b"p")], held=7)) == 7
 
 
 def test_operator_rejects_a_malformed_table(jvm) -> None:
@@ -249,7 +262,7 @@ def test_batches_per_route_and_control_records(env) -> None:
             parsed = read_frame(bytes(b & 0xFF for b in frame))  # Java byte[]: signed ints
             sources.update(zip((uri for uri, _ in parsed.records), parsed.sources))
             seen.append(
-                ("C", parsed.table) if parsed.is_control
+                ("C", parsed.table) if parsed.is_control else (parsed.kind,) if parsed.kind in (POLL, DRAIN)
                 else (parsed.model, parsed.version, [uri for uri, _ in parsed.records])
             )
     assert seen == [
@@ -265,6 +278,7 @@ def test_batches_per_route_and_control_records(env) -> None:
         ("", "", ["n1"]),
         ("b", "", ["b3"]),
         ("b", "1", ["b4"]),
+        (DRAIN,),  # the end of the input: Python answers whatever it holds
     ]
     assert sources == {row[0]: Source(2, row[6], row[7]) for row in rows if not row[4]}
 

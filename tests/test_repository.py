@@ -66,7 +66,7 @@ def test_scan_reads_versions_settings_defaults_and_pipelines(tmp_path: Path) -> 
     "settings, problem",
     [
         ({"batching": {"batch_size": 0}}, "batching.batch_size: must be between 1 and 65536, got 0"),
-        ({"bogus": 1}, "bogus: unknown key (known: batching, inputs, kind, outputs, postprocess, preprocess, steps, version_policy)"),
+        ({"bogus": 1}, "bogus: unknown key (known: batching, inputs, instances, kind, max_queue_size, outputs, postprocess, preprocess, steps, version_policy)"),
         ({"version_policy": {"latest": 1, "specific": [1]}}, "version_policy: must be one of {latest: N}, {specific: [versions]} or all"),
         ({"kind": "pipeline"}, "a pipeline lists its steps, and only a pipeline has steps"),
     ],

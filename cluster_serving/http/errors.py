@@ -50,7 +50,7 @@ class NotReady(BridgeError):
 
 
 class Unavailable(BridgeError):
-    """The request could not be handed to Kafka."""
+    """The request could not be handed to Kafka, or its model's queue was full (`overloaded`)."""
 
 
 class Timeout(BridgeError):
@@ -82,6 +82,7 @@ RESULT_ERRORS: dict[str | None, type[BridgeError]] = {
     "inference_failed": InferenceFailed,
     "postprocess_failed": InferenceFailed,
     "deadline_exceeded": Timeout,
+    "overloaded": Unavailable,
     "internal": InferenceFailed,
 }
 

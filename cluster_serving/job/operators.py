@@ -10,8 +10,8 @@ from pyflink.datastream import MapFunction, RuntimeContext
 from cluster_serving.config import KafkaConfig, LimitsConfig, ServingConfig
 from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame
-from cluster_serving.runtime.encode import results_frame
-from cluster_serving.runtime.outcomes import Outcome
+from cluster_serving.runtime.encode import batches_frame
+from cluster_serving.runtime.scheduler import Done, Scheduler
 from cluster_serving.runtime.serve import BatchServer, BatchStats
 
 
@@ -36,17 +36,21 @@ class DecodeBatch(MapFunction):
 
 
 class ServeBatch(MapFunction):
-    """A decoded batch -> its outcomes (runtime.serve.BatchServer); batch sizes, time in serve and
-    errors counted for the job and per model and version."""
+    """A decoded batch -> the batches done by now, and how many are not (runtime.scheduler:
+    each model's batches on its own lane); batch sizes, time in serve, errors and refusals counted
+    for the job and per model and version."""
 
     def __init__(self, config: ServingConfig):
         self.config = config
         self.server: BatchServer | None = None
+        self.scheduler: Scheduler | None = None
 
     def open(self, runtime_context: RuntimeContext) -> None:
         self.server = BatchServer(self.config)
+        self.scheduler = Scheduler(self.server)
         self.metrics = runtime_context.get_metrics_group().add_group("cluster_serving")
         self.totals = self._meters(self.metrics)
+        self.overloaded = self.metrics.counter("overloaded")
         self.per_version: dict[tuple[str, int], tuple] = {}
         # What is loaded by now (Flink's, Beam's, numpy's and ONNX Runtime's modules, the models)
         # lives as long as the job: frozen, Python's collector no longer walks it in each full
@@ -54,14 +58,19 @@ class ServeBatch(MapFunction):
         gc.freeze()
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.server is not None:
             self.server.close()
 
-    def map(self, value: DecodedBatch) -> tuple[DecodedBatch, list[Outcome]]:
-        outcomes, stats = self.server.serve_batch(value)
-        if stats is not None:
-            self._count(stats)
-        return value, outcomes
+    def map(self, value: DecodedBatch) -> tuple[list[Done], int]:
+        finished = self.scheduler.submit(value)
+        for done in finished:
+            if done.stats is not None:
+                self._count(done.stats)
+            else:
+                self.overloaded.inc(sum(1 for outcome in done.outcomes if getattr(outcome, "error_code", None) == "overloaded"))
+        return finished, self.scheduler.held
 
     @staticmethod
     def _meters(group) -> tuple:
@@ -82,8 +91,8 @@ class ServeBatch(MapFunction):
 
 
 class EncodeResults(MapFunction):
-    """A batch's outcomes -> one frame of (uri, result bytes) and dead letters, split into Kafka
-    records in the JVM; dead letters counted."""
+    """The batches done -> one frame of (uri, result bytes) and dead letters, split into Kafka
+    records in the JVM, with the count of batches not done yet; dead letters counted."""
 
     def __init__(self, kafka: KafkaConfig):
         self.kafka = kafka
@@ -91,8 +100,11 @@ class EncodeResults(MapFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self.dead_letters = runtime_context.get_metrics_group().add_group("cluster_serving").counter("deadLetters")
 
-    def map(self, value: tuple[DecodedBatch, list[Outcome]]) -> bytes:
-        batch, outcomes = value
-        letters = dead_letters(batch, outcomes, self.kafka)
-        self.dead_letters.inc(len(letters))
-        return results_frame(outcomes, letters, batch.answers)
+    def map(self, value: tuple[list[Done], int]) -> bytes:
+        finished, held = value
+        batches = []
+        for done in finished:
+            letters = dead_letters(done.batch, done.outcomes, self.kafka)
+            self.dead_letters.inc(len(letters))
+            batches.append((done.outcomes, letters, done.batch.answers))
+        return batches_frame(batches, held)

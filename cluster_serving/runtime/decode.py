@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster_serving.config import ImageConfig, LimitsConfig
-from cluster_serving.runtime.frames import AlikeRecords, Frame, Headers, Source, UriBlock, read_frame, read_headers
+from cluster_serving.runtime.frames import DRAIN, POLL, AlikeRecords, Frame, Headers, Source, UriBlock, read_frame, read_headers
 from cluster_serving.runtime.outcomes import DeadlineExceeded, InvalidInput, error_result, reason
 from cluster_serving.runtime.preprocess import DEFAULT_IMAGE, BatchArray, decode_images, prepare_values
 from cluster_serving.wire.codec import (
@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class DecodedBatch:
     """A micro-batch after decoding: requests to run, and error results for those that cannot be;
-    or, for a control frame, the routing table's text alone."""
+    or, for a control frame, the routing table's text alone; or, for a poll or drain frame
+    (frames.POLL, frames.DRAIN), that kind as `signal` alone."""
 
     instances: list[Message]
     rejected: list[Message]
@@ -71,6 +72,7 @@ class DecodedBatch:
     model: str = ""
     version: str = ""
     table: str | None = None
+    signal: str | None = None
     # Records without a uri to answer (logged, no result possible): (index in the frame, why).
     dropped: list[tuple[int, str]] = field(default_factory=list)
     # An alike batch's requests, decoded together (then `instances` is empty).
@@ -101,6 +103,8 @@ def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
     read = read_frame(frame)
     if read.table is not None:
         return DecodedBatch([], [], table=read.table)
+    if read.kind in (POLL, DRAIN):
+        return DecodedBatch([], [], signal=read.kind)
     if read.alike is not None:
         batch = decode_alike(read.alike)
     else:

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.runtime.frames import AlikeResults, DeadLetter, UriBlock, write_frame
@@ -34,14 +35,24 @@ def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = (),
     """The frame of a batch's results and dead letters: each stacked run's rows as an alike
     section, when the format carries them, the rest as (uri, message) records; the requests in
     `answers` answered in their OIP encoding."""
-    sections, others = [], []
-    for outcome in outcomes:
-        section = alike_results(outcome) if isinstance(outcome, Rows) else None
-        if section is None:
-            others.append(outcome)
-        else:
-            sections.append(section)
-    return write_frame(encode_outcomes(others, answers or {}), sections, dead_letters)
+    return batches_frame([(outcomes, dead_letters, answers or {})])
+
+
+def batches_frame(batches: Iterable[tuple[list[Outcome], Sequence[DeadLetter], dict[str, OipRequest]]], held: int = 0) -> bytes:
+    """One frame of several batches' (outcomes, dead letters, OIP answers) as results_frame
+    writes one's, saying that `held` batches are not done yet."""
+    sections, records, letters = [], [], []
+    for outcomes, dead_letters, answers in batches:
+        others = []
+        for outcome in outcomes:
+            section = alike_results(outcome) if isinstance(outcome, Rows) else None
+            if section is None:
+                others.append(outcome)
+            else:
+                sections.append(section)
+        records.append(encode_outcomes(others, answers))
+        letters.extend(dead_letters)
+    return write_frame(chain.from_iterable(records), sections, letters, held)
 
 
 def alike_results(rows: Rows) -> AlikeResults | None:

@@ -9,7 +9,9 @@ a uint32 payload length and the payload. A frame to Python starts with a header,
 and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (the requests'
 `model` and `version` headers, "" when absent), then its record part and its sources block; or
 "C" + the routing table text for a control frame (no records; the batches after it were made by
-that table). The sources block says where each request was read, for its dead letter: per request
+that table); "P" for a poll frame (no records: what the Python stage finished since, please)
+and "D" for a drain frame (no records: wait for every batch held, as before a checkpoint
+barrier; runtime/scheduler.py). The sources block says where each request was read, for its dead letter: per request
 an int32 partition and an int64 offset (-1: not known), and its other headers (a uint32 length,
 0xFFFFFFFF for none, and a header block: a uint32 count, then per header a uint32 name length, the
 UTF-8 name, a uint32 value length, 0xFFFFFFFF for none, and the value; HeaderBlock.java).
@@ -21,7 +23,8 @@ uint32 count, the layout (uint32 length, bytes), a uint32 value size, the uris b
 length, then per request a uint32 length and the uri), the values block (value size bytes per
 request, one after another) and the sources block.
 
-A results frame back is a record part, the dead letters (a uint32 count, then per dead letter a
+A results frame back starts with a uint32, the batches the Python stage still holds (the JVM
+polls while there are), then a record part, the dead letters (a uint32 count, then per dead letter a
 record as in the record part and its headers: a uint32 length and a header block), then any number
 of alike sections, one per stacked run (`AlikeResults`): a uint32 count, the layout tail the results
 share (format 2's: uint32 length, JSON), a uint32 row size, a uris block and the rows block; the
@@ -44,7 +47,9 @@ NO_URI = 0xFFFFFFFF
 BATCH = "batch"
 ALIKE = "alike"
 CONTROL = "control"
-_KINDS = {"B": BATCH, "A": ALIKE, "C": CONTROL}
+POLL = "poll"
+DRAIN = "drain"
+_KINDS = {"B": BATCH, "A": ALIKE, "C": CONTROL, "P": POLL, "D": DRAIN}
 
 Record = tuple[str | None, memoryview]
 T = TypeVar("T")
@@ -236,11 +241,11 @@ def read_frame(frame: bytes) -> Frame:
     except (struct.error, UnicodeDecodeError) as exc:
         raise FrameError(f"a frame of {len(frame)} bytes does not parse: {exc}") from None
     if kind is None:
-        raise FrameError(f"a frame header starts with {header[:1]!r}, not 'A', 'B' or 'C'")
-    if kind == CONTROL:
+        raise FrameError(f"a frame header starts with {header[:1]!r}, not one of {''.join(_KINDS)}")
+    if kind in (CONTROL, POLL, DRAIN):
         if records:
-            raise FrameError(f"a control frame carries {len(records)} records")
-        return Frame(CONTROL, "", "", header[1:], records)
+            raise FrameError(f"a {kind} frame carries {len(records)} records")
+        return Frame(kind, "", "", header[1:] if kind == CONTROL else None, records)
     # Names and versions never hold a tab; a header value that does (a client's mistake) puts the
     # split at the last tab, and the request gets an error result either way.
     model, tab, version = header[1:].rpartition("\t")
@@ -306,13 +311,14 @@ class DeadLetter:
 
 
 def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = (),
-                dead_letters: Sequence[DeadLetter] = ()) -> bytes:
-    """The results frame of (uri, payload) records, dead letters and alike sections (no header)."""
-    parts = [b""]
+                dead_letters: Sequence[DeadLetter] = (), held: int = 0) -> bytes:
+    """The results frame of (uri, payload) records, dead letters and alike sections, saying that
+    the Python stage holds `held` batches still."""
+    parts = [_U32.pack(held), b""]
     for uri, payload in records:
         key = uri.encode()
         parts += (_U32.pack(len(key)), key, _U32.pack(len(payload)), payload)
-    parts[0] = _U32.pack((len(parts) - 1) // 4)
+    parts[1] = _U32.pack((len(parts) - 2) // 4)
     parts.append(_U32.pack(len(dead_letters)))
     for letter in dead_letters:
         key = None if letter.key is None else letter.key.encode()
@@ -334,7 +340,7 @@ def read_result_frame(frame: bytes) -> list[Record]:
 def read_results(frame: bytes) -> tuple[list[Record], list[DeadLetter]]:
     """The records of a results frame, as read_result_frame reads them, and its dead letters."""
     view = memoryview(frame)
-    records, at = _records_from(frame, view, 0)
+    records, at = _records_from(frame, view, 4)
     (count,), at, letters = _U32.unpack_from(frame, at), at + 4, []
     for _ in range(count):
         (length,) = _U32.unpack_from(frame, at)
@@ -394,6 +400,11 @@ def write_alike_frame(model: str, version: str, records: list[tuple[str | None, 
 def write_control_frame(table: str) -> bytes:
     """A control frame as the JVM writes it (for tests and tools)."""
     return _with_header("C" + table, ())
+
+
+def write_signal_frame(kind: str) -> bytes:
+    """A POLL or DRAIN frame as the JVM writes it (for tests and tools)."""
+    return _with_header({POLL: "P", DRAIN: "D"}[kind], ())
 
 
 def _with_header(header: str, records: Iterable[tuple[str | None, bytes]]) -> bytes:

@@ -113,6 +113,9 @@ class ServableConfig(_Section):
     preprocess: ServablePreprocess = ServablePreprocess()
     postprocess: ServablePostprocess = ServablePostprocess()
     steps: tuple[PipelineStep, ...] = ()
+    # Defaults: the config's model.instances and model.max_queue_size.
+    instances: StrictInt = Field(1, ge=1, le=64)
+    max_queue_size: StrictInt = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _steps_for_pipelines(self) -> ServableConfig:
@@ -219,6 +222,7 @@ def _single_model(config: ServingConfig) -> Servable:
         inputs=config.model.inputs, outputs=config.model.outputs, batching=config.batching,
         preprocess=ServablePreprocess(images=config.preprocess.images),
         postprocess=ServablePostprocess(top_n=config.postprocess.top_n),
+        instances=config.model.instances, max_queue_size=config.model.max_queue_size,
     )
     return Servable(config.model.name, config.model.path.parent, servable, (1,), config.batching, {1: config.model.path})
 
@@ -242,6 +246,8 @@ def _read_servable(path: Path, config: ServingConfig) -> ServableConfig:
         "batching": config.batching.model_dump(),
         "preprocess": {"images": {name: image.model_dump() for name, image in config.preprocess.images.items()}},
         "postprocess": {"top_n": config.postprocess.top_n},
+        "instances": config.model.instances,
+        "max_queue_size": config.model.max_queue_size,
     }
     if not path.is_file():
         return ServableConfig.model_validate(defaults)

@@ -10,7 +10,9 @@ left out; a request naming no version gets the newest that opened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import queue
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +52,40 @@ def open_version(servable: Servable, version: int, config: ServingConfig) -> Onn
     return model
 
 
+class InstancePool:
+    """The open copies of one model version (servable.yaml `instances`): a batch runs on one
+    that no other thread is running, so that each copy's session and buffers have one user."""
+
+    def __init__(self, copies: list[OnnxModel]):
+        self.first = copies[0]
+        self.size = len(copies)
+        self.free: queue.SimpleQueue[OnnxModel] = queue.SimpleQueue()
+        for copy in copies:
+            self.free.put(copy)
+
+    @contextmanager
+    def instance(self) -> Iterator[OnnxModel]:
+        """A free copy for the time of the block, waiting for one when all are running."""
+        model = self.free.get()
+        try:
+            yield model
+        finally:
+            self.free.put(model)
+
+
 @dataclass
 class Served:
-    """One servable as this subtask serves it: its reading, stage functions and open versions."""
+    """One servable as this subtask serves it: its reading, stage functions and open versions
+    (`models`: each version's first copy, which says what it takes; `pools`: all its copies)."""
 
     servable: Servable
     preprocess: StageFunction | None
     postprocess: StageFunction | None
-    models: dict[int, OnnxModel]
+    pools: dict[int, InstancePool]
+
+    @property
+    def models(self) -> dict[int, OnnxModel]:
+        return {version: pool.first for version, pool in self.pools.items()}
 
     @property
     def versions(self) -> list[int]:
@@ -95,37 +123,39 @@ class Servables:
     def _serve(self, servable: Servable, versions: tuple[int, ...]) -> Served:
         """The servable with `versions` open: those open already are kept, new ones opened."""
         previous = self.served.get(servable.name)
-        models: dict[int, OnnxModel] = {}
+        pools: dict[int, InstancePool] = {}
         for version in versions:
             if servable.is_pipeline:
                 continue
             if version not in servable.files:  # a table from a control record no poller wrote
                 log.error("model %s version %d: in the routing table but not in the repository", servable.name, version)
                 continue
-            if previous is not None and version in previous.models and previous.servable.files.get(version) == servable.files.get(version):
-                models[version] = previous.models[version]
+            if (previous is not None and version in previous.pools and previous.pools[version].size == servable.config.instances
+                    and previous.servable.files.get(version) == servable.files.get(version)):
+                pools[version] = previous.pools[version]
                 continue
-            model = self._open(servable, version)
-            if model is not None:
-                models[version] = model
+            pool = self._open(servable, version)
+            if pool is not None:
+                pools[version] = pool
         try:
             pre, post = servable_stages(servable)
         except Exception as exc:  # a broken servable.py: its model answers errors, the others serve
             log.error("model %s: stages not loaded: %s", servable.name, exc)
             pre = post = _broken_stage(f"stages not loaded: {exc}")
-        return Served(servable, pre, post, models)
+        return Served(servable, pre, post, pools)
 
-    def _open(self, servable: Servable, version: int) -> OnnxModel | None:
+    def _open(self, servable: Servable, version: int) -> InstancePool | None:
         key = (servable.name, version, servable.files.get(version))
         try:
-            model = open_version(servable, version, self.config)
+            copies = [open_version(servable, version, self.config) for _ in range(servable.config.instances)]
         except Exception as exc:  # ModelError, or whatever a file the poller did not check raises
             if key not in self.failed:
                 log.error("model %s version %d not served: %s", servable.name, version, exc)
                 self.failed.add(key)
             return None
-        log.info("opened model %s version %d on %s", servable.name, version, model.provider)
-        return model
+        count = f" ({len(copies)} instances)" if len(copies) > 1 else ""
+        log.info("opened model %s version %d on %s%s", servable.name, version, copies[0].provider, count)
+        return InstancePool(copies)
 
     def resolve(self, model: str, version: str) -> tuple[Served, int]:
         """The servable and version a batch's route names; RouteError says what is served instead."""

@@ -25,6 +25,7 @@ from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import DecodedBatch, decode_frame, prepare_instances
 from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.infer import predict, predict_alike
+from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.open_inference import SplitRequests, check_route, gather_rows, split_rows
 from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
 from cluster_serving.runtime.postprocess import top_n
@@ -35,6 +36,19 @@ from cluster_serving.runtime.stages import apply_stage, run_pipeline
 from cluster_serving.wire.codec import Message
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Routed:
+    """A batch and the servable and version its route resolved to: what runs on the model."""
+
+    batch: DecodedBatch
+    served: Served
+    version: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.served.servable.name, self.version
 
 
 @dataclass
@@ -75,8 +89,14 @@ class BatchServer:
         if batch.table is not None:
             self.adopt(batch.table)
             return [], None
+        routed, answered = self.route(batch)
+        return (answered, None) if routed is None else self.run(routed)
+
+    def route(self, batch: DecodedBatch) -> tuple[Routed | None, list[Outcome]]:
+        """The batch with the servable and version it goes to; or None and its outcomes when no
+        model is to run it (nothing readable, or a route that names no open model)."""
         if not batch.instances and batch.alike is None:
-            return list(batch.rejected), None
+            return None, list(batch.rejected)
         try:
             served, version = self.servables.resolve(batch.model, batch.version)
         except RouteError as exc:
@@ -84,13 +104,19 @@ class BatchServer:
             for message in requests:
                 log.warning("uri=%s %s", message.uri, exc)
             named = batch.model or None  # the model the requests asked for, which their answers name
-            return batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code, model=named)
-                                     for message in requests], None
+            return None, batch.rejected + [Message(message.uri, error=str(exc), error_code=exc.code, model=named)
+                                           for message in requests]
+        return Routed(batch, served, version), []
+
+    def run(self, routed: Routed) -> tuple[list[Outcome], BatchStats]:
+        """A routed batch's outcomes (its rejected requests' among them) and what it did."""
+        batch, served, version = routed.batch, routed.served, routed.version
         name, split = served.servable.name, SplitRequests()
         started = time.perf_counter()
         if batch.alike is not None and self.serves_whole(served, version):
             size = len(batch.alike)
-            outcomes = predict_alike(served.models[version], batch.alike, served.servable.batching.run_batch_size)
+            with served.pools[version].instance() as model:
+                outcomes = predict_alike(model, batch.alike, served.servable.batching.run_batch_size)
         else:
             requests, refused = check_route(batch.requests(), batch.answers, name, version)
             instances, invalid, split = split_rows(requests, batch.answers, self.takes_rows(served, version))
@@ -118,13 +144,13 @@ class BatchServer:
         """Whether the servable's requests are rows of a batch (its model, or a pipeline's first
         step's, has a batch dimension): an OIP request is split into its rows then."""
         if not served.servable.is_pipeline:
-            return served.models[version].batched
+            return served.pools[version].first.batched
         step = served.servable.config.steps[0]
         try:
             first, first_version = self.servables.step(step.model, step.version)
         except RouteError:  # the pipeline answers that itself
             return True
-        return first.models[first_version].batched
+        return first.pools[first_version].first.batched
 
     @staticmethod
     def serves_whole(served: Served, version: int) -> bool:
@@ -132,11 +158,17 @@ class BatchServer:
         batched model with no functions or top-N around it."""
         settings = served.servable.config
         return (not served.servable.is_pipeline and served.preprocess is None and served.postprocess is None
-                and not settings.postprocess.top_n and served.models[version].batched)
+                and not settings.postprocess.top_n and served.pools[version].first.batched)
 
     def serve(self, served: Served, version: int, instances: list[Message]) -> list[Outcome]:
+        """The requests' outcomes, on a copy of the model no other thread runs meanwhile."""
+        if served.servable.is_pipeline:
+            return self._serve_on(served, None, instances)
+        with served.pools[version].instance() as model:
+            return self._serve_on(served, model, instances)
+
+    def _serve_on(self, served: Served, model: OnnxModel | None, instances: list[Message]) -> list[Outcome]:
         settings = served.servable.config
-        model = None if served.servable.is_pipeline else served.models[version]
         images = settings.preprocess.images if model is None else model.images  # the model's: plain pixels on a GPU
         ready, errors = prepare_instances(
             instances, images, self.config.limits, self.decode_pool, model.batch_array if model is not None else None

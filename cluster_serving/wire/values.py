@@ -54,6 +54,7 @@ ERROR_CODES = (
     "inference_failed",  # the model's run raised
     "postprocess_failed",  # the servable's postprocess function or top-N failed
     "deadline_exceeded",  # the request's deadline had passed when its batch formed: not run
+    "overloaded",  # its model's queue was full (servable.yaml max_queue_size): not run, send again later
     "internal",  # anything else on the serving side: a result that cannot be written, a broken pipeline
 )
 

@@ -16,7 +16,9 @@ import org.apache.flink.types.Row;
  * bytes, a uint32 payload length and the payload. A frame to Python starts with a header, a uint32
  * length and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route (as the
  * requests' headers said, "" when absent), then its record part and its sources block; "C" + table
- * text for a control frame (zero records: the routing table the batches after it were made by).
+ * text for a control frame (zero records: the routing table the batches after it were made by);
+ * "P" for a poll frame and "D" for a drain frame (zero records: what Python finished since, and
+ * everything it holds, before a checkpoint barrier).
  * The sources block says where each request came from, for its dead letter: per request an int32
  * partition and an int64 offset (-1 when not known) and its other headers (HeaderBlock; a uint32
  * length, 0xFFFFFFFF for none, and the block).
@@ -28,7 +30,8 @@ import org.apache.flink.types.Row;
  * block (uint32 byte length, then per request a uint32 length and the UTF-8 uri), the values block
  * (each request's values one after another, value size bytes each) and the sources block.
  *
- * <p>The results frame back from Python is a record part, the dead letters (a uint32 count, then
+ * <p>The results frame back from Python starts with a uint32, the batches Python still holds
+ * (polled for while there are any: HeldBatches), then a record part, the dead letters (a uint32 count, then
  * per dead letter a record as in the record part, a uint32 uri length 0xFFFFFFFF for none, and
  * its headers: a uint32 length and a HeaderBlock), then any number of alike sections, one per
  * stacked run: a uint32 count, the shared layout tail (as format 2 writes it: uint32 length,
@@ -59,6 +62,16 @@ public final class BatchFrames {
                                      long maxInstanceBytes) {
         byte[] alike = encodeAlike("A" + model + "\t" + version, records, maxUriChars, maxInstanceBytes);
         return alike != null ? alike : encode("B" + model + "\t" + version, records);
+    }
+
+    /** A poll frame ('P') or a drain frame ('D'). */
+    public static byte[] encodeSignal(char kind) {
+        return encode(String.valueOf(kind), Collections.emptyList());
+    }
+
+    /** The batches Python holds still, as a results frame says. */
+    public static int held(byte[] bytes) {
+        return ByteBuffer.wrap(bytes, 0, 4).order(ByteOrder.LITTLE_ENDIAN).getInt();
     }
 
     /** The control frame announcing a routing table. */
@@ -195,6 +208,7 @@ public final class BatchFrames {
      */
     public static List<Row> decode(byte[] bytes) {
         ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
+        frame.position(4);
         int count = frame.getInt();
         List<Row> records = new ArrayList<>(count);
         for (int i = 0; i < count; i++) {

@@ -8,6 +8,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
+import java.util.concurrent.atomic.AtomicInteger;
 import java.util.function.BiPredicate;
 import org.apache.flink.api.common.operators.MailboxExecutor;
 import org.apache.flink.api.common.operators.ProcessingTimeService.ProcessingTimeCallback;
@@ -58,6 +59,12 @@ import org.slf4j.LoggerFactory;
  * Python keeps no state, so the first frame after open() is always a control frame with the
  * current table: the Python stages learn the table the restored batches were made by before they
  * meet one.
+ *
+ * <p>The Python stage may hold batches of slow models on their own threads (runtime/scheduler.py)
+ * and answer them with a later frame: while its last answer said it holds some (HeldBatches), a
+ * poll frame goes every POLL_MS that no other frame went. Before every checkpoint barrier and at
+ * the end of the input a drain frame makes it answer them all, so that a checkpoint never covers
+ * a request whose result has not reached the sink.
  */
 public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         implements OneInputStreamOperator<Row, byte[]>, ProcessingTimeCallback {
@@ -79,6 +86,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private static final int OFFSET = 6;
     private static final int HEADERS = 7;
     private static final long MAX_CLOCK_SKEW_MS = 3_600_000;
+    private static final long POLL_MS = 1;
 
     private final String tableText;
     private final long maxBatchBytes;
@@ -92,6 +100,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private transient MailboxExecutor mailbox;
     private transient long requestsRead;
     private transient boolean idleCheckScheduled;
+    private transient AtomicInteger held;
+    private transient boolean pollScheduled;
+    private transient long lastFrameAt;
 
     /**
      * Fails (IllegalArgumentException) on a malformed table: the job's own table must be one.
@@ -156,7 +167,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     public void open() throws Exception {
         super.open();
         mailbox = getContainingTask().getMailboxExecutorFactory().createExecutor(TaskMailbox.MIN_PRIORITY);
-        output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
+        held = HeldBatches.of(getRuntimeContext());
+        send(BatchFrames.encodeControl(table.text));
         // Restored requests batch like new ones: flushed when full, at their route's max delay, or,
         // with none, once the input has nothing more ready.
         for (Row request : restored) {
@@ -189,7 +201,21 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     @Override
     public void finish() throws Exception {
         flushAll();
+        send(BatchFrames.encodeSignal('D'));
         super.finish();
+    }
+
+    /** Before the barrier goes downstream: every batch Python holds is answered first. */
+    @Override
+    public void prepareSnapshotPreBarrier(long checkpointId) throws Exception {
+        super.prepareSnapshotPreBarrier(checkpointId);
+        send(BatchFrames.encodeSignal('D'));
+    }
+
+    @Override
+    public void close() throws Exception {
+        HeldBatches.release(getRuntimeContext());
+        super.close();
     }
 
     @Override
@@ -271,7 +297,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         table = next;
         LOG.info("routing table generation {}: default model {}, models {}", table.generation, table.defaultModel,
             table.entries.keySet());
-        output.collect(new StreamRecord<>(BatchFrames.encodeControl(table.text)));
+        send(BatchFrames.encodeControl(table.text));
     }
 
     private void flushAll() {
@@ -291,8 +317,30 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     }
 
     private void emit(Route route, Batch batch) {
-        output.collect(new StreamRecord<>(BatchFrames.encodeBatch(
-            route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes)));
+        send(BatchFrames.encodeBatch(route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes));
+    }
+
+    /** Hands Python a frame (it runs on this thread), and polls later if it holds batches after. */
+    private void send(byte[] frame) {
+        output.collect(new StreamRecord<>(frame));
+        lastFrameAt = getProcessingTimeService().getCurrentProcessingTime();
+        if (held.get() > 0 && !pollScheduled) {
+            pollScheduled = true;
+            getProcessingTimeService().registerTimer(lastFrameAt + POLL_MS, this::poll);
+        }
+    }
+
+    private void poll(long time) {
+        pollScheduled = false;
+        if (held.get() == 0) {
+            return;
+        }
+        if (time < lastFrameAt + POLL_MS) {
+            pollScheduled = true;
+            getProcessingTimeService().registerTimer(lastFrameAt + POLL_MS, this::poll);
+            return;
+        }
+        send(BatchFrames.encodeSignal('P'));
     }
 
     /**
