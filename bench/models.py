@@ -5,6 +5,7 @@ are 48 KiB images, so that moving the bytes, not the model, shows in the serving
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -126,6 +127,56 @@ def build_conv224(path: Path, seed: int = 7) -> Path:
         initializer=weights,
     )
     return save_graph(graph, path)
+
+
+def build_slow(path: Path, batch_ms: float, batch: int = 32) -> Path:
+    """The sample classifier's inputs and outputs around a MatMul of two n x n matrices that does
+    not depend on the batch's size (scaled by the batch's sum, so that it runs every time): n picked
+    so that a batch of `batch` takes about `batch_ms` on one ONNX Runtime thread of this machine."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, FEATURES)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    size = 256
+    while True:
+        graph = slow_graph(size, rng)
+        save_graph(graph, path)
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session.run(None, {"features": x})
+        started = time.perf_counter()
+        for _ in range(3):
+            session.run(None, {"features": x})
+        took_ms = (time.perf_counter() - started) / 3 * 1000
+        if took_ms >= batch_ms or size >= 4096:
+            return path
+        size = min(4096, int(size * max(1.1, (batch_ms / took_ms) ** (1 / 3))))
+
+
+def slow_graph(size: int, rng: np.random.Generator):
+    weights = [
+        numpy_helper.from_array(rng.normal(0, 0.01, (size, size)).astype(np.float32), "left"),
+        numpy_helper.from_array(rng.normal(0, 0.01, (size, size)).astype(np.float32), "right"),
+        numpy_helper.from_array(rng.normal(0, 0.5, (FEATURES, CLASSES)).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.array(1e-30, np.float32), "tiny"),
+    ]
+    nodes = [
+        helper.make_node("ReduceSum", ["features"], ["total"], keepdims=0),
+        helper.make_node("Mul", ["left", "total"], ["scaled"]),
+        helper.make_node("MatMul", ["scaled", "right"], ["product"]),
+        helper.make_node("ReduceMean", ["product"], ["mean"], keepdims=0),
+        helper.make_node("Mul", ["mean", "tiny"], ["nothing"]),
+        helper.make_node("MatMul", ["features", "fc_w"], ["logits"]),
+        helper.make_node("Add", ["logits", "nothing"], ["shifted"]),
+        helper.make_node("Softmax", ["shifted"], ["probabilities"], axis=1),
+    ]
+    return helper.make_graph(
+        nodes, "bench_slow",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", FEATURES])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES])],
+        initializer=weights,
+    )
 
 
 def build_resnet50(path: Path) -> Path:

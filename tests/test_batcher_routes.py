@@ -81,8 +81,9 @@ def test_python_writers_match_the_layout() -> None:
     assert write_batch_frame("m", "2", records) == by_hand(b"Bm\t2", [(b"u", b"p"), (None, b"")])
     assert write_control_frame("1\ta\na\t1\t0\t") == by_hand(b"C1\ta\na\t1\t0\t", [])
     assert write_signal_frame(POLL) == by_hand(b"P", []) and write_signal_frame(DRAIN) == by_hand(b"D", [])
-    # Results: the batches held, no header, no sources, the dead letters' count.
-    assert write_frame([("u", b"p")], held=3) == U32.pack(3) + by_hand(b"", [(b"u", b"p")], sources=b"")[4:] + U32.pack(0)
+    # Results: the request frames answered, no header, no sources, the dead letters' count.
+    assert write_frame([("u", b"p")], answered=[3, 2**40]) == (
+        U32.pack(2) + struct.pack("<qq", 3, 2**40) + by_hand(b"", [(b"u", b"p")], sources=b"")[4:] + U32.pack(0))
 
 
 @pytest.mark.parametrize("kind,letter", [(POLL, b"P"), (DRAIN, b"D")])
@@ -209,7 +210,7 @@ def test_jvm_frames_read_in_python(jvm) -> None:
         CONTROL, "", "", "1\tm\nm\t1\t0\t", [],
     )
     assert plain(read_frame(bytes(jvm.BatchFrames.encodeSignal("P")))) == (POLL, "", "", None, [])
-    assert jvm.BatchFrames.held(write_frame([("u", b"p")], held=7)) == 7
+    assert list(jvm.BatchFrames.answered(write_frame([("u", b"p")], answered=[7, 9]))) == [7, 9]
 
 
 def test_operator_rejects_a_malformed_table(jvm) -> None:

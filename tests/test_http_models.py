@@ -457,6 +457,6 @@ def test_every_error_code_has_its_http_status() -> None:
     assert set(RESULT_ERRORS) == set(ERROR_CODES)
     assert {code: http_status(RESULT_ERRORS[code]("x")) for code in ERROR_CODES} == {
         "bad_request": 400, "too_large": 413, "unknown_model": 404, "unknown_version": 404,
-        "preprocess_failed": 400, "inference_failed": 500, "postprocess_failed": 500, "deadline_exceeded": 504,
+        "preprocess_failed": 400, "inference_failed": 500, "postprocess_failed": 500, "deadline_exceeded": 504, "overloaded": 503,
         "internal": 500,
     }

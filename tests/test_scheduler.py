@@ -113,11 +113,16 @@ def test_a_held_up_model_costs_another_nothing(scheduled) -> None:
 
 def test_a_fast_model_runs_on_the_stage_thread_once_its_batches_are_known_to_be_fast(scheduled) -> None:
     scheduler, _ = scheduled()
-    collect(scheduler, {"w"} if scheduler.submit(requests("fast", "w")) == [] else set())  # its first batch: time unknown
+    assert scheduler.submit(requests("fast", "first")) == []  # its first batch: time unknown, on its lane
+    collect(scheduler, {"first"})
     lane = scheduler.lanes[("fast", 1)]
-    assert lane.batch_us is not None and lane.batch_us < INLINE_US, lane.batch_us
-    done = scheduler.submit(requests("fast", "now"))
-    assert results(done)["now"].tensors["y"][0] == 2.0 and scheduler.held == 0
+    for i in range(100):  # a first run can be slow (ONNX Runtime plans its memory): the estimate comes down
+        done = scheduler.submit(requests("fast", f"b{i}"))
+        collect(scheduler, set() if done else {f"b{i}"})
+        if done:
+            break
+    assert lane.batch_us < INLINE_US and scheduler.held == 0
+    assert results(done)[f"b{i}"].tensors["y"][0] == 2.0
 
 
 def test_a_full_queue_refuses_clearly_and_serves_the_rest(scheduled) -> None:

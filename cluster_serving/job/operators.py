@@ -16,10 +16,12 @@ from cluster_serving.runtime.serve import BatchServer, BatchStats
 
 
 class DecodeBatch(MapFunction):
-    """A frame from the JVM -> its decoded batch; decode errors and expired requests counted."""
+    """A frame from the JVM -> its decoded batch, numbered as the JVM numbers request frames;
+    decode errors and expired requests counted."""
 
     def __init__(self, limits: LimitsConfig):
         self.limits = limits
+        self.request_frames = 0
 
     def open(self, runtime_context: RuntimeContext) -> None:
         group = runtime_context.get_metrics_group().add_group("cluster_serving")
@@ -29,6 +31,8 @@ class DecodeBatch(MapFunction):
 
     def map(self, value: bytes) -> DecodedBatch:
         batch = decode_frame(value, self.limits)
+        if batch.table is None and batch.signal is None:
+            batch.ordinal, self.request_frames = self.request_frames, self.request_frames + 1
         self.records_in.inc(batch.size)
         self.decode_errors.inc(len(batch.rejected) - batch.expired + len(batch.dropped))
         self.deadline_exceeded.inc(batch.expired)
@@ -36,9 +40,9 @@ class DecodeBatch(MapFunction):
 
 
 class ServeBatch(MapFunction):
-    """A decoded batch -> the batches done by now, and how many are not (runtime.scheduler:
-    each model's batches on its own lane); batch sizes, time in serve, errors and refusals counted
-    for the job and per model and version."""
+    """A decoded batch -> the batches done by now (runtime.scheduler: each model's batches on its
+    own lane); batch sizes, time in serve, errors and refusals counted for the job and per model
+    and version."""
 
     def __init__(self, config: ServingConfig):
         self.config = config
@@ -63,14 +67,14 @@ class ServeBatch(MapFunction):
         if self.server is not None:
             self.server.close()
 
-    def map(self, value: DecodedBatch) -> tuple[list[Done], int]:
+    def map(self, value: DecodedBatch) -> list[Done]:
         finished = self.scheduler.submit(value)
         for done in finished:
             if done.stats is not None:
                 self._count(done.stats)
             else:
                 self.overloaded.inc(sum(1 for outcome in done.outcomes if getattr(outcome, "error_code", None) == "overloaded"))
-        return finished, self.scheduler.held
+        return finished
 
     @staticmethod
     def _meters(group) -> tuple:
@@ -92,7 +96,7 @@ class ServeBatch(MapFunction):
 
 class EncodeResults(MapFunction):
     """The batches done -> one frame of (uri, result bytes) and dead letters, split into Kafka
-    records in the JVM, with the count of batches not done yet; dead letters counted."""
+    records in the JVM, with the numbers of the request frames it answers; dead letters counted."""
 
     def __init__(self, kafka: KafkaConfig):
         self.kafka = kafka
@@ -100,11 +104,10 @@ class EncodeResults(MapFunction):
     def open(self, runtime_context: RuntimeContext) -> None:
         self.dead_letters = runtime_context.get_metrics_group().add_group("cluster_serving").counter("deadLetters")
 
-    def map(self, value: tuple[list[Done], int]) -> bytes:
-        finished, held = value
+    def map(self, value: list[Done]) -> bytes:
         batches = []
-        for done in finished:
+        for done in value:
             letters = dead_letters(done.batch, done.outcomes, self.kafka)
             self.dead_letters.inc(len(letters))
             batches.append((done.outcomes, letters, done.batch.answers))
-        return batches_frame(batches, held)
+        return batches_frame(batches, [done.batch.ordinal for done in value if done.batch.ordinal >= 0])

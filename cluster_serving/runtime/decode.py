@@ -73,6 +73,8 @@ class DecodedBatch:
     version: str = ""
     table: str | None = None
     signal: str | None = None
+    # The request frame's number, in the order the JVM sent them (frames.py); -1: not counted.
+    ordinal: int = -1
     # Records without a uri to answer (logged, no result possible): (index in the frame, why).
     dropped: list[tuple[int, str]] = field(default_factory=list)
     # An alike batch's requests, decoded together (then `instances` is empty).

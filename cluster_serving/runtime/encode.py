@@ -38,9 +38,10 @@ def results_frame(outcomes: list[Outcome], dead_letters: list[DeadLetter] = (),
     return batches_frame([(outcomes, dead_letters, answers or {})])
 
 
-def batches_frame(batches: Iterable[tuple[list[Outcome], Sequence[DeadLetter], dict[str, OipRequest]]], held: int = 0) -> bytes:
+def batches_frame(batches: Iterable[tuple[list[Outcome], Sequence[DeadLetter], dict[str, OipRequest]]],
+                  answered: Sequence[int] = ()) -> bytes:
     """One frame of several batches' (outcomes, dead letters, OIP answers) as results_frame
-    writes one's, saying that `held` batches are not done yet."""
+    writes one's, answering the request frames numbered `answered`."""
     sections, records, letters = [], [], []
     for outcomes, dead_letters, answers in batches:
         others = []
@@ -52,7 +53,7 @@ def batches_frame(batches: Iterable[tuple[list[Outcome], Sequence[DeadLetter], d
                 sections.append(section)
         records.append(encode_outcomes(others, answers))
         letters.extend(dead_letters)
-    return write_frame(chain.from_iterable(records), sections, letters, held)
+    return write_frame(chain.from_iterable(records), sections, letters, answered)
 
 
 def alike_results(rows: Rows) -> AlikeResults | None:

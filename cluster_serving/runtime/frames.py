@@ -10,8 +10,8 @@ and that many UTF-8 bytes: "B" + model + TAB + version for a batch of one route 
 `model` and `version` headers, "" when absent), then its record part and its sources block; or
 "C" + the routing table text for a control frame (no records; the batches after it were made by
 that table); "P" for a poll frame (no records: what the Python stage finished since, please)
-and "D" for a drain frame (no records: wait for every batch held, as before a checkpoint
-barrier; runtime/scheduler.py). The sources block says where each request was read, for its dead letter: per request
+and "D" for a drain frame (no records: wait for every batch held, as at the end of the input;
+runtime/scheduler.py). The sources block says where each request was read, for its dead letter: per request
 an int32 partition and an int64 offset (-1: not known), and its other headers (a uint32 length,
 0xFFFFFFFF for none, and a header block: a uint32 count, then per header a uint32 name length, the
 UTF-8 name, a uint32 value length, 0xFFFFFFFF for none, and the value; HeaderBlock.java).
@@ -23,8 +23,10 @@ uint32 count, the layout (uint32 length, bytes), a uint32 value size, the uris b
 length, then per request a uint32 length and the uri), the values block (value size bytes per
 request, one after another) and the sources block.
 
-A results frame back starts with a uint32, the batches the Python stage still holds (the JVM
-polls while there are), then a record part, the dead letters (a uint32 count, then per dead letter a
+Request frames ("A" and "B") are numbered in the order they are sent, from 0 for each run of the
+task: a results frame back starts with the numbers of the batches it answers (a uint32 count, then
+an int64 each), so that the JVM knows which batches the Python stage still holds (it polls while
+there are, and keeps their requests in its checkpoints), then a record part, the dead letters (a uint32 count, then per dead letter a
 record as in the record part and its headers: a uint32 length and a header block), then any number
 of alike sections, one per stacked run (`AlikeResults`): a uint32 count, the layout tail the results
 share (format 2's: uint32 length, JSON), a uint32 row size, a uris block and the rows block; the
@@ -311,10 +313,10 @@ class DeadLetter:
 
 
 def write_frame(records: Iterable[tuple[str, bytes]], sections: Iterable[AlikeResults] = (),
-                dead_letters: Sequence[DeadLetter] = (), held: int = 0) -> bytes:
-    """The results frame of (uri, payload) records, dead letters and alike sections, saying that
-    the Python stage holds `held` batches still."""
-    parts = [_U32.pack(held), b""]
+                dead_letters: Sequence[DeadLetter] = (), answered: Sequence[int] = ()) -> bytes:
+    """The results frame of (uri, payload) records, dead letters and alike sections, of the
+    request frames numbered `answered`."""
+    parts = [_U32.pack(len(answered)) + struct.pack(f"<{len(answered)}q", *answered), b""]
     for uri, payload in records:
         key = uri.encode()
         parts += (_U32.pack(len(key)), key, _U32.pack(len(payload)), payload)
@@ -340,7 +342,7 @@ def read_result_frame(frame: bytes) -> list[Record]:
 def read_results(frame: bytes) -> tuple[list[Record], list[DeadLetter]]:
     """The records of a results frame, as read_result_frame reads them, and its dead letters."""
     view = memoryview(frame)
-    records, at = _records_from(frame, view, 4)
+    records, at = _records_from(frame, view, 4 + 8 * _U32.unpack_from(frame, 0)[0])
     (count,), at, letters = _U32.unpack_from(frame, at), at + 4, []
     for _ in range(count):
         (length,) = _U32.unpack_from(frame, at)

@@ -18,7 +18,8 @@ import org.apache.flink.types.Row;
  * requests' headers said, "" when absent), then its record part and its sources block; "C" + table
  * text for a control frame (zero records: the routing table the batches after it were made by);
  * "P" for a poll frame and "D" for a drain frame (zero records: what Python finished since, and
- * everything it holds, before a checkpoint barrier).
+ * everything it holds, at the end of the input). Request frames ("A", "B") are numbered in the
+ * order they are sent, from 0 in each run of the task.
  * The sources block says where each request came from, for its dead letter: per request an int32
  * partition and an int64 offset (-1 when not known) and its other headers (HeaderBlock; a uint32
  * length, 0xFFFFFFFF for none, and the block).
@@ -30,8 +31,8 @@ import org.apache.flink.types.Row;
  * block (uint32 byte length, then per request a uint32 length and the UTF-8 uri), the values block
  * (each request's values one after another, value size bytes each) and the sources block.
  *
- * <p>The results frame back from Python starts with a uint32, the batches Python still holds
- * (polled for while there are any: HeldBatches), then a record part, the dead letters (a uint32 count, then
+ * <p>The results frame back from Python starts with the numbers of the request frames it answers
+ * (a uint32 count, then an int64 each: AnsweredBatches), then a record part, the dead letters (a uint32 count, then
  * per dead letter a record as in the record part, a uint32 uri length 0xFFFFFFFF for none, and
  * its headers: a uint32 length and a HeaderBlock), then any number of alike sections, one per
  * stacked run: a uint32 count, the shared layout tail (as format 2 writes it: uint32 length,
@@ -69,9 +70,14 @@ public final class BatchFrames {
         return encode(String.valueOf(kind), Collections.emptyList());
     }
 
-    /** The batches Python holds still, as a results frame says. */
-    public static int held(byte[] bytes) {
-        return ByteBuffer.wrap(bytes, 0, 4).order(ByteOrder.LITTLE_ENDIAN).getInt();
+    /** The numbers of the request frames a results frame answers. */
+    public static long[] answered(byte[] bytes) {
+        ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
+        long[] numbers = new long[frame.getInt()];
+        for (int i = 0; i < numbers.length; i++) {
+            numbers[i] = frame.getLong();
+        }
+        return numbers;
     }
 
     /** The control frame announcing a routing table. */
@@ -208,7 +214,7 @@ public final class BatchFrames {
      */
     public static List<Row> decode(byte[] bytes) {
         ByteBuffer frame = ByteBuffer.wrap(bytes).order(ByteOrder.LITTLE_ENDIAN);
-        frame.position(4);
+        frame.position(4 + 8 * frame.getInt());
         int count = frame.getInt();
         List<Row> records = new ArrayList<>(count);
         for (int i = 0; i < count; i++) {

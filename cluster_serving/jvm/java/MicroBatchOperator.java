@@ -8,7 +8,6 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
-import java.util.concurrent.atomic.AtomicInteger;
 import java.util.function.BiPredicate;
 import org.apache.flink.api.common.operators.MailboxExecutor;
 import org.apache.flink.api.common.operators.ProcessingTimeService.ProcessingTimeCallback;
@@ -61,10 +60,14 @@ import org.slf4j.LoggerFactory;
  * meet one.
  *
  * <p>The Python stage may hold batches of slow models on their own threads (runtime/scheduler.py)
- * and answer them with a later frame: while its last answer said it holds some (HeldBatches), a
- * poll frame goes every POLL_MS that no other frame went. Before every checkpoint barrier and at
- * the end of the input a drain frame makes it answer them all, so that a checkpoint never covers
- * a request whose result has not reached the sink.
+ * and answer them with a later frame. Request frames are numbered as they go, and results frames
+ * say which they answer (AnsweredBatches): the batches not answered yet are kept here, their
+ * requests written at every checkpoint with the pending ones, so that after a restore they are
+ * served again rather than lost (Flink's async I/O operator keeps its requests in flight so), and
+ * a checkpoint never waits for a slow model. While some are held, a poll frame goes every POLL_MS
+ * that no other frame went; at the end of the input a drain frame makes Python answer them all.
+ * Should the Python stage not be chained to this operator (nothing answers), every checkpoint
+ * barrier waits for a drain frame instead.
  */
 public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         implements OneInputStreamOperator<Row, byte[]>, ProcessingTimeCallback {
@@ -100,7 +103,9 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private transient MailboxExecutor mailbox;
     private transient long requestsRead;
     private transient boolean idleCheckScheduled;
-    private transient AtomicInteger held;
+    private transient AnsweredBatches answered;
+    private transient Map<Long, Sent> held;
+    private transient long nextNumber;
     private transient boolean pollScheduled;
     private transient long lastFrameAt;
 
@@ -167,7 +172,12 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     public void open() throws Exception {
         super.open();
         mailbox = getContainingTask().getMailboxExecutorFactory().createExecutor(TaskMailbox.MIN_PRIORITY);
-        held = HeldBatches.of(getRuntimeContext());
+        answered = AnsweredBatches.of(getRuntimeContext());
+        answered.tracked = answered.attached;
+        if (!answered.attached) {
+            LOG.warn("the Python stage is not chained to the micro-batcher: every checkpoint waits for the batches it holds");
+        }
+        held = new LinkedHashMap<>();
         send(BatchFrames.encodeControl(table.text));
         // Restored requests batch like new ones: flushed when full, at their route's max delay, or,
         // with none, once the input has nothing more ready.
@@ -205,16 +215,18 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         super.finish();
     }
 
-    /** Before the barrier goes downstream: every batch Python holds is answered first. */
+    /** Unchained (no numbers come back), the barrier waits until Python has answered every batch. */
     @Override
     public void prepareSnapshotPreBarrier(long checkpointId) throws Exception {
         super.prepareSnapshotPreBarrier(checkpointId);
-        send(BatchFrames.encodeSignal('D'));
+        if (!answered.attached) {
+            send(BatchFrames.encodeSignal('D'));
+        }
     }
 
     @Override
     public void close() throws Exception {
-        HeldBatches.release(getRuntimeContext());
+        AnsweredBatches.release(getRuntimeContext());
         super.close();
     }
 
@@ -222,16 +234,22 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     public void snapshotState(StateSnapshotContext context) throws Exception {
         super.snapshotState(context);
         List<Row> requests = new ArrayList<>();
+        for (Sent batch : held.values()) {
+            addRows(requests, batch.route, batch.requests);
+        }
         for (Map.Entry<Route, Batch> batch : pending.entrySet()) {
-            Route route = batch.getKey();
-            for (Row request : batch.getValue().requests) {
-                requests.add(Row.of(route.model, route.version, request.getField(URI), request.getField(PAYLOAD),
-                    orElse(BatchFrames.field(request, PARTITION), -1), orElse(BatchFrames.field(request, OFFSET), -1L),
-                    BatchFrames.field(request, HEADERS)));
-            }
+            addRows(requests, batch.getKey(), batch.getValue().requests);
         }
         checkpointed.update(requests);
         checkpointedTable.update(Collections.singletonList(table.text));
+    }
+
+    private static void addRows(List<Row> state, Route route, List<Row> requests) {
+        for (Row request : requests) {
+            state.add(Row.of(route.model, route.version, request.getField(URI), request.getField(PAYLOAD),
+                orElse(BatchFrames.field(request, PARTITION), -1), orElse(BatchFrames.field(request, OFFSET), -1L),
+                BatchFrames.field(request, HEADERS)));
+        }
     }
 
     private void add(Route route, Row request) {
@@ -317,14 +335,26 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     }
 
     private void emit(Route route, Batch batch) {
-        send(BatchFrames.encodeBatch(route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes));
+        byte[] frame = BatchFrames.encodeBatch(route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes);
+        if (answered.attached) {
+            held.put(nextNumber, new Sent(route, batch.requests));
+        }
+        nextNumber++;
+        send(frame);
     }
 
-    /** Hands Python a frame (it runs on this thread), and polls later if it holds batches after. */
+    /**
+     * Hands Python a frame (it runs on this thread, and so does SplitResults after it), forgets
+     * the batches it answered, and polls later if it holds some still.
+     */
     private void send(byte[] frame) {
         output.collect(new StreamRecord<>(frame));
+        Long number;
+        while ((number = answered.numbers.poll()) != null) {
+            held.remove(number);
+        }
         lastFrameAt = getProcessingTimeService().getCurrentProcessingTime();
-        if (held.get() > 0 && !pollScheduled) {
+        if (!held.isEmpty() && !pollScheduled) {
             pollScheduled = true;
             getProcessingTimeService().registerTimer(lastFrameAt + POLL_MS, this::poll);
         }
@@ -332,7 +362,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
 
     private void poll(long time) {
         pollScheduled = false;
-        if (held.get() == 0) {
+        if (held.isEmpty()) {
             return;
         }
         if (time < lastFrameAt + POLL_MS) {
@@ -389,6 +419,17 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         @Override
         public int hashCode() {
             return Objects.hash(model, version);
+        }
+    }
+
+    /** A batch sent to Python and not answered yet: its route and requests. */
+    private static final class Sent {
+        final Route route;
+        final List<Row> requests;
+
+        Sent(Route route, List<Row> requests) {
+            this.route = route;
+            this.requests = requests;
         }
     }
 

@@ -1,6 +1,5 @@
 package clusterserving.flink;
 
-import java.util.concurrent.atomic.AtomicInteger;
 import org.apache.flink.api.common.functions.OpenContext;
 import org.apache.flink.api.common.functions.RichFlatMapFunction;
 import org.apache.flink.types.Row;
@@ -8,25 +7,30 @@ import org.apache.flink.util.Collector;
 
 /**
  * Splits the Python operator's frame of results (BatchFrames) into one Row(key, value, headers) of
- * bytes per result or dead letter, and passes on how many batches Python still holds (HeldBatches).
+ * bytes per result or dead letter, and passes on which request frames it answers (AnsweredBatches).
  */
 public final class SplitResults extends RichFlatMapFunction<byte[], Row> {
     private static final long serialVersionUID = 1L;
-    private transient AtomicInteger held;
+    private transient AnsweredBatches answered;
 
     @Override
     public void open(OpenContext openContext) {
-        held = HeldBatches.of(getRuntimeContext());
+        answered = AnsweredBatches.of(getRuntimeContext());
+        answered.attached = true;
     }
 
     @Override
     public void close() {
-        HeldBatches.release(getRuntimeContext());
+        AnsweredBatches.release(getRuntimeContext());
     }
 
     @Override
     public void flatMap(byte[] frame, Collector<Row> out) {
-        held.set(BatchFrames.held(frame));
+        if (answered.tracked) {
+            for (long number : BatchFrames.answered(frame)) {
+                answered.numbers.add(number);
+            }
+        }
         for (Row result : BatchFrames.decode(frame)) {
             out.collect(result);
         }
