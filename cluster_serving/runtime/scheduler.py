@@ -9,9 +9,12 @@ later call. The JVM batcher makes those calls: an empty poll frame while Python 
 and a drain frame before every checkpoint barrier and at the end of the input, which waits for
 them all, so that a checkpoint never covers a request whose result is not written yet.
 
-A batch of a model whose recent batches took under INLINE_US runs at once on the stage thread
-instead, when its lane is idle: a hand-over between threads costs about 100 microseconds, more
-than such a batch (docs/models.md has the figures). A model whose lane holds `max_queue_size`
+A batch expected to take under INLINE_US runs at once on the stage thread instead, when its
+model's lane is idle (expected: its size times the model's quickest time per request in its last
+RECENT_BATCHES, since a batch delayed by a busy core or Python's lock says little of the model): a hand-over between threads costs about 100 microseconds, more
+than such a batch (docs/models.md has the figures). Lane threads run at a lower CPU priority
+(LANE_NICENESS) than the job's own, so that where cores are short, a model busy on the CPU yields
+them to Kafka, the batcher and the models served at once, rather than slowing them all. A model whose lane holds `max_queue_size`
 requests or more refuses the batches that come meanwhile with `overloaded` error results; with no
 bound (0), the stage waits for room, which slows every model of the job instance (backpressure).
 """
@@ -19,9 +22,11 @@ bound (0), the stage waits for room, which slows every model of the job instance
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from cluster_serving.runtime.decode import DecodedBatch
@@ -33,8 +38,11 @@ from cluster_serving.wire.codec import Message
 log = logging.getLogger(__name__)
 # A batch expected to take less than this long runs on the stage thread (microseconds).
 INLINE_US = 1000
-# How much each batch's time moves a lane's estimate of the next one's (an exponential average).
-ESTIMATE_WEIGHT = 0.2
+# How many of a model's latest batches its estimate of the next one looks at.
+RECENT_BATCHES = 8
+# How much lower than the job's threads a lane's thread runs (Linux nice; ONNX Runtime runs a
+# session of one thread, model.threads 1, on the calling thread, so its work is included).
+LANE_NICENESS = 10
 # A flooded model logs its refusals once per this many seconds, with their count and a uri.
 REFUSALS_LOGGED_EVERY_S = 1.0
 
@@ -64,7 +72,7 @@ class Lane:
         self.waiting_batches = 0
         self.waiting_requests = 0
         self.running = 0
-        self.batch_us: float | None = None
+        self.recent_us_per_request: deque[float] = deque(maxlen=RECENT_BATCHES)
         self.refused_unlogged = 0
         self.refusal_logged_at = float("-inf")
         self.workers = [threading.Thread(target=self._work, name=f"lane {self.name} {i}", daemon=True) for i in range(self.threads)]
@@ -82,8 +90,13 @@ class Lane:
     def refuses(self) -> bool:
         return 0 < self.max_queue_size <= self.waiting_requests
 
-    def runs_at_once(self) -> bool:
-        return self.idle and self.batch_us is not None and self.batch_us < INLINE_US
+    def expected_us(self, size: int) -> float | None:
+        """What a batch of `size` requests is expected to take (None: no batch ran yet)."""
+        return min(self.recent_us_per_request) * size if self.recent_us_per_request else None
+
+    def runs_at_once(self, size: int) -> bool:
+        expected = self.expected_us(size)
+        return self.idle and expected is not None and expected < INLINE_US
 
     def put(self, routed: Routed) -> None:
         """Queues the batch (the caller holds `changed`)."""
@@ -103,7 +116,7 @@ class Lane:
                 for message in routed.batch.requests()], None
         elapsed_us = (time.perf_counter() - started) * 1_000_000
         with self.changed:
-            self.batch_us = elapsed_us if self.batch_us is None else self.batch_us + ESTIMATE_WEIGHT * (elapsed_us - self.batch_us)
+            self.recent_us_per_request.append(elapsed_us / max(routed.batch.size, 1))
         return Done(routed.batch, outcomes, stats)
 
     def stop(self) -> None:
@@ -111,6 +124,10 @@ class Lane:
             self.jobs.put(None)
 
     def _work(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
+        except (AttributeError, OSError):  # not Linux, or not allowed: the lane runs as the rest
+            pass
         while (routed := self.jobs.get()) is not None:
             with self.changed:
                 self.waiting_batches -= 1
@@ -152,7 +169,7 @@ class Scheduler:
         with self.changed:
             if lane.refuses():
                 return [self._refused(routed, lane), *self._completed()]
-            if not lane.runs_at_once():
+            if not lane.runs_at_once(routed.batch.size):
                 self.changed.wait_for(lambda: not lane.full())
                 lane.put(routed)
                 self.held += 1

@@ -32,8 +32,9 @@ import org.slf4j.LoggerFactory;
  * or the route's max delay after its first request waiting. A max delay of 0 waits for no request
  * not yet read: the batch goes once the input has nothing more ready (Triton's dynamic batcher
  * with no queue delay), so a burst already read is one batch, and a lone request goes at once.
- * Python runs on this operator's thread, so the model is idle whenever a batch could go: requests
- * that arrive while it runs are read after, and batch together. Batch size and max delay
+ * Python runs on this operator's thread (a fast model's batches too; a slow one's on threads of
+ * its own, see below), so such a model is idle whenever a batch could go: requests that arrive
+ * while it runs are read after, and batch together. Batch size and max delay
  * come from the routing table (RoutingTable) entry of the model, the default model's for "" or a
  * model the table does not know (Python answers those with an error result).
  *
