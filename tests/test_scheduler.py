@@ -180,6 +180,8 @@ def test_a_routing_table_waits_for_the_batches_held(scheduled, tmp_path: Path) -
     gate.touch()
     thread.join(PATIENCE_S)
     assert set(results(adopted)) == {"t0"} and scheduler.server.servables.table == newer
+    assert scheduler.lanes == {}  # their threads let go; the versions served now get new lanes
+    assert results(scheduler.submit(requests("fast", "after"))) | collect(scheduler, {"after"})
 
 
 def test_a_batch_that_breaks_its_lane_is_every_requests_error(scheduled, monkeypatch) -> None:

@@ -62,7 +62,6 @@ class Lane:
 
     def __init__(self, server: BatchServer, routed: Routed, finished: queue.SimpleQueue[Done], changed: threading.Condition):
         self.server = server
-        self.served = routed.served
         self.name = f"{routed.key[0]} version {routed.key[1]}"
         self.threads = routed.served.servable.config.instances
         self.max_queue_size = routed.served.servable.config.max_queue_size
@@ -161,6 +160,8 @@ class Scheduler:
         if batch.table is not None:
             done = self.drain()
             self.server.adopt(batch.table)
+            self.close()  # idle: the lanes of the versions served now start with their first batch
+            self.lanes.clear()
             return done
         routed, answered = self.server.route(batch)
         if routed is None:
@@ -202,11 +203,9 @@ class Scheduler:
         return done
 
     def _lane(self, routed: Routed) -> Lane:
-        """The lane of the batch's model version; a new one after a routing table reopened it."""
+        """The lane of the batch's model version, made with its first batch."""
         lane = self.lanes.get(routed.key)
-        if lane is None or lane.served is not routed.served:
-            if lane is not None:
-                lane.stop()  # idle: a routing table is adopted only once every lane is
+        if lane is None:
             lane = self.lanes[routed.key] = Lane(self.server, routed, self.finished, self.changed)
         return lane
 
