@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -123,10 +124,11 @@ class Lane:
             self.jobs.put(None)
 
     def _work(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
-        except (AttributeError, OSError):  # not Linux, or not allowed: the lane runs as the rest
-            pass
+        if sys.platform == "linux":  # a thread id names the thread there; elsewhere it could name a process
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
+            except OSError:  # not allowed: the lane runs as the rest
+                pass
         while (routed := self.jobs.get()) is not None:
             with self.changed:
                 self.waiting_batches -= 1
