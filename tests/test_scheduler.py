@@ -127,9 +127,10 @@ def test_a_fast_model_runs_on_the_stage_thread_once_its_batches_are_known_to_be_
 
 def test_a_full_queue_refuses_clearly_and_serves_the_rest(scheduled) -> None:
     scheduler, gate = scheduled(max_queue_size=2)
-    for uri in ("r0", "r1", "r2"):  # one running (at its gate), two waiting: the queue is full
-        assert scheduler.submit(requests("slow", uri)) == []
+    assert scheduler.submit(requests("slow", "r0")) == []
     until(lambda: scheduler.lanes[("slow", 1)].running == 1, "the first slow batch running")
+    for uri in ("r1", "r2"):  # one running (at its gate), two waiting: the queue is full
+        assert scheduler.submit(requests("slow", uri)) == []
     refused = results(scheduler.submit(requests("slow", "r3", "r4")))
     assert {uri: (m.error_code, m.model) for uri, m in refused.items()} == {"r3": ("overloaded", "slow"), "r4": ("overloaded", "slow")}
     assert refused["r3"].error == ("model slow version 1 is overloaded: 2 requests wait for its 1 instance(s), "
