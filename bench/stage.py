@@ -1,11 +1,13 @@
 """`cluster-serving bench stage`: the serving stage alone, beside raw ONNX Runtime on the same batches.
 
-The stage is cluster_serving.runtime's path for one micro-batch, as the job runs it: a frame as the
-JVM sends it (requests encoded as `InputQueue.enqueue` encodes them) -> decode -> serve (images
-decoded, the model run) -> encode -> the results' frame. No Kafka, no Flink, no Java: it runs
-wherever Python and ONNX Runtime do, a GPU machine included. From one run it prints, per input
-kind and batch size: raw ORT on a ready batch, raw ORT with inputs and outputs bound on the device
-(CUDA only), the serving stage, and the stage's time inside `session.run` apart. With
+The stage is cluster_serving.runtime's path for a stream of micro-batches, as the job runs it:
+frames as the JVM sends them (requests encoded as `InputQueue.enqueue` encodes them), each read
+and handed to the scheduler on one thread, served on the model's lane (images decoded, the model
+run; with `--model-instances 2`, on two copies at once), and the batches done encoded into results
+frames. No Kafka, no Flink, no Java: it runs wherever Python and ONNX Runtime do, a GPU machine
+included. From one run it prints, per input kind and batch size: raw ORT on a ready batch, raw ORT
+with inputs and outputs bound on the device (CUDA only), the serving stage, and the model's time
+inside `session.run` as a share of the stage's. With
 `--instances 2,4`, the stage also runs as that many instances at once, in processes (job subtasks
 in TaskManagers of one slot) or threads (`--instances-in threads`: subtasks of one TaskManager, in
 PyFlink's thread mode), sharing one GPU; their requests/s add up.
@@ -23,6 +25,7 @@ import multiprocessing
 from multiprocessing.pool import ThreadPool
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,7 +35,7 @@ from typing import NoReturn
 import numpy as np
 import onnxruntime as ort
 from bench.images import image_settings, photo_jpeg
-from cluster_serving.config import ServingConfig, load_config
+from cluster_serving.config import KafkaConfig, ServingConfig, load_config
 from cluster_serving.runtime.frames import (
     Source,
     read_result_frame,
@@ -42,8 +45,12 @@ from cluster_serving.runtime.frames import (
     write_headers,
 )
 from cluster_serving.runtime import rewrites
+from cluster_serving.runtime.dead_letters import dead_letters
+from cluster_serving.runtime.decode import decode_frame
+from cluster_serving.runtime.encode import batches_frame
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
+from cluster_serving.runtime.scheduler import Done, Scheduler
 from cluster_serving.runtime.serve import BatchServer
 from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.inputs import PROTOCOLS, encode_oip_request, encode_request, protocol_headers
@@ -69,6 +76,7 @@ class Row:
     run_size: int = 0  # rows per session.run, raw and stage alike (0: the batch)
     stage_instances: dict[int, float] | None = None  # instances at once -> their requests/s together
     instances_in: str = "processes"
+    model_instances: int = 1  # the model's instances in each stage (servable.yaml `instances`)
 
     @property
     def ratio(self) -> float:
@@ -83,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tensor in an Open Inference Protocol encoding: mlserver, oip-json, oip-protobuf")
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
+    parser.add_argument("--model-instances", default="1", help="model.instances, the copies of the model each stage runs "
+                        "batches on at once, comma separated: a row each")
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
     parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
     parser.add_argument("--float16", action="store_true", help="model.float16: raw ORT and the stage both run the model in float16")
@@ -98,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="stage-bench-") as scratch:
         model = model_file(args.model, Path(scratch))
         rows = [
-            measure(model, args.model + ("/fp16" if args.float16 else ""), kind, int(batch), args)
-            for kind in args.inputs.split(",") for batch in args.batch.split(",")
+            row for kind in args.inputs.split(",") for batch in args.batch.split(",")
+            for row in measure(model, args.model + ("/fp16" if args.float16 else ""), kind, int(batch), args)
         ]
     print_table(rows)
     if args.json:
@@ -118,7 +128,8 @@ def model_file(name: str, folder: Path) -> Path:
     return path
 
 
-def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> Row:
+def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> list[Row]:
+    """Raw ORT on the batch, and the stage on its requests, a row per model.instances value."""
     session = open_session(model, args.device, args.threads, float16_bytes(model) if args.float16 else None)
     spec = session.get_inputs()[0]
     shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
@@ -126,11 +137,15 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     runs = [samples[start:start + (args.run_size or batch)] for start in range(0, batch, args.run_size or batch)]
     raw = raw_ort(session, spec.name, runs, args.seconds)
     bound = raw_ort_bound(session, spec.name, runs, args.seconds) if args.device == "cuda" else None
-    config = stage_config(model, spec.name, kind, shape, batch, args)
     records, sources = requests(spec.name, kind, samples)
-    stage, in_run = serving_stage(config, records, sources, batch, args.seconds)
-    together = {count: stage_together(config, records, sources, batch, args, count) for count in _counts(args.instances)}
-    return Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None, args.instances_in)
+    rows = []
+    for instances in _counts(args.model_instances):
+        config = stage_config(model, spec.name, kind, shape, batch, instances, args)
+        stage, in_run = serving_stage(config, records, sources, batch, args.seconds)
+        together = {count: stage_together(config, records, sources, batch, args, count) for count in _counts(args.instances)}
+        rows.append(Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None,
+                        args.instances_in, instances))
+    return rows
 
 
 def float16_bytes(model: Path) -> bytes:
@@ -155,9 +170,11 @@ def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarra
     return sum(map(len, runs)) / _per_call(lambda: [session.run_with_iobinding(binding) for binding in bindings], seconds)
 
 
-def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, args: argparse.Namespace) -> ServingConfig:
+def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, instances: int,
+                 args: argparse.Namespace) -> ServingConfig:
     overrides = {
         "model.path": str(model), "model.threads": args.threads, "model.decode_threads": args.decode_threads,
+        "model.instances": instances,
         "model.float16": args.float16, "device": args.device,
         "batching.batch_size": batch, "batching.run_batch_size": args.run_size, "limits.max_instance_bytes": 64 << 20,
     }
@@ -184,42 +201,78 @@ def requests(name: str, kind: str, samples: np.ndarray) -> tuple[list[tuple[str,
 
 def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
                   seconds: float) -> tuple[float, float]:
-    """Requests/s of BatchServer.serve_frame over the batch's frame, and the share of that time
-    inside session.run; every result is checked to be one."""
+    """Requests/s of the job's serving path over a stream of the batch's frame, and the model's
+    time inside session.run as a share of it (over 100% where its instances run at once). As in
+    the job, this thread reads each frame and hands it to the scheduler, the model runs on its
+    lane (or at once, where quick), and the batches done are encoded into results frames. Every
+    result of a first frame is checked to be one."""
     server = BatchServer(config)
-    server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
+    scheduler = Scheduler(server)
+    scheduler.submit(decode_frame(write_control_frame(RoutingTable.of(scan(config)).text()), config.limits))
     served, version = server.servables.resolve("", "")
-    session = served.models[version].session
     frame = (None if sources else write_alike_frame("", "", records)) or write_batch_frame("", "", records, sources or None)
     results = [decode_answer(bytes(payload)) or decode_message(bytes(payload), 64 << 20)
-               for _, payload in read_result_frame(server.serve_frame(frame))]
+               for _, payload in read_result_frame(_encoded(scheduler.submit(decode_frame(frame, config.limits)) + scheduler.drain(), config.kafka))]
     errors = [result.error for result in results if result.error]
     if len(results) != batch or errors:
         fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
-    in_run = [0.0]
-    for method in ("run", "run_with_iobinding"):  # the host path runs, the device path runs bound
-        setattr(session, method, _timed(getattr(session, method), in_run))
-    calls = [0]
+    in_run = _RunTime()
+    for model in served.pools[version].copies:
+        for method in ("run", "run_with_iobinding"):  # the host path runs, the device path runs bound
+            setattr(model.session, method, in_run.timed(getattr(model.session, method)))
+    try:
+        done, elapsed = _timed_stream(lambda: scheduler.submit(decode_frame(frame, config.limits)), scheduler.drain,
+                                      lambda finished: _encoded(finished, config.kafka), seconds, in_run.reset)
+    finally:
+        scheduler.close()
+        server.close()
+    return done * batch / elapsed, in_run.seconds / elapsed
 
-    def serve() -> None:
-        calls[0] += 1
-        server.serve_frame(frame)
 
-    per_call = _per_call(serve, seconds, reset=lambda: (in_run.__setitem__(0, 0.0), calls.__setitem__(0, 0)))
-    return batch / per_call, in_run[0] / (per_call * calls[0])
+def _encoded(done: list[Done], kafka: KafkaConfig) -> bytes:
+    """The results frame of the batches done, as the job's EncodeResults writes it."""
+    return batches_frame([(item.outcomes, dead_letters(item.batch, item.outcomes, kafka), item.batch.answers) for item in done])
 
 
-def _timed(call: Callable[..., object], total: list[float]) -> Callable[..., object]:
-    """`call`, adding the seconds each call takes to total[0]."""
+class _RunTime:
+    """Seconds spent inside the sessions' runs, from any thread."""
 
-    def timed(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            total[0] += time.perf_counter() - started
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seconds = 0.0
 
-    return timed
+    def reset(self) -> None:
+        with self.lock:
+            self.seconds = 0.0
+
+    def timed(self, call: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+def _timed_stream(submit: Callable[[], list[Done]], drain: Callable[[], list[Done]], encode: Callable[[list[Done]], bytes],
+                  seconds: float, reset: Callable[[], object]) -> tuple[int, float]:
+    """Batches done and seconds taken: frames submitted for `seconds`, then every batch held
+    finished, after a warm-up of three; each batch done encoded as the job encodes it."""
+    for _ in range(3):
+        encode(submit())
+    encode(drain())
+    reset()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds or done < 3:
+        finished = submit()
+        encode(finished)
+        done += len(finished)
+    finished = drain()
+    encode(finished)
+    return done + len(finished), time.perf_counter() - started
 
 
 def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
@@ -235,11 +288,10 @@ def _counts(text: str) -> list[int]:
     return [int(count) for count in text.split(",") if count]
 
 
-def _per_call(call: Callable[[], object], seconds: float, reset: Callable[[], object] = lambda: None) -> float:
+def _per_call(call: Callable[[], object], seconds: float) -> float:
     """Seconds per call, over `seconds` after a warm-up of three calls."""
     for _ in range(3):
         call()
-    reset()
     count, started = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - started) < seconds or count < 3:
         call()
@@ -255,17 +307,18 @@ def fail(message: str) -> NoReturn:
 
 def print_table(rows: list[Row]) -> None:
     print(f"{'model':<10} {'inputs':<7} {'batch':>5} {'run':>4} {'device':<6} {'raw ORT':>10} {'raw bound':>10} "
-          f"{'stage':>10} {'in run':>7} {'stage/raw':>9}")
+          f"{'copies':>6} {'stage':>10} {'in run':>7} {'stage/raw':>9}")
     for row in rows:
         bound = f"{row.raw_ort_bound:10,.0f}" if row.raw_ort_bound else f"{'-':>10}"
         print(f"{row.model:<10} {row.inputs:<7} {row.batch:>5} {row.run_size or row.batch:>4} {row.device:<6} "
-              f"{row.raw_ort:10,.0f} {bound} {row.stage:10,.0f} {row.stage_in_run:7.0%} {row.ratio:9.3f}")
-    print("req/s; run: rows per session.run; 'in run': the stage's share of time inside session.run; stage/raw: "
-          "against raw ORT with I/O bound where measured, else plain raw ORT, same batch, run size and threads")
+              f"{row.raw_ort:10,.0f} {bound} {row.model_instances:>6} {row.stage:10,.0f} {row.stage_in_run:7.0%} {row.ratio:9.3f}")
+    print("req/s; run: rows per session.run; copies: model.instances; 'in run': the model's time inside session.run as a share "
+          "of the stage's (over 100% where copies run at once); stage/raw: against raw ORT with I/O bound where measured, "
+          "else plain raw ORT, same batch, run size and threads")
     for row in rows:
         if row.stage_instances:
             shown = ", ".join(f"{count}: {rate:,.0f}" for count, rate in row.stage_instances.items())
-            print(f"{row.model} {row.inputs} batch {row.batch}, stages at once in {row.instances_in} (req/s together): "
+            print(f"{row.model} {row.inputs} batch {row.batch} copies {row.model_instances}, stages at once in {row.instances_in} (req/s together): "
                   f"1: {row.stage:,.0f}, {shown}")
 
 

@@ -286,6 +286,30 @@ def test_a_batch_of_images_decodes_in_a_pool_into_consecutive_rows_and_bad_ones_
     assert batch.shape == (5, 3, 6, 8) and np.shares_memory(batch, rows[0])  # the rows' own array, no copy
 
 
+def test_jpegs_of_the_target_size_decode_straight_into_the_batch_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uint8 HWC rows (the device path's plain pixels): a JPEG of the target size is written by
+    the decoder into its row, with no copy after it, and its pixels are what decode_image makes; a
+    larger JPEG or a PNG beside it goes the other way, and a truncated one fails alone."""
+    rng = np.random.default_rng(5)
+    photos = [rng.integers(0, 256, (12, 16, 3), dtype=np.uint8) for _ in range(3)]
+    images = [jpeg_bytes(photos[0]), jpeg_bytes(photos[1])[:100], jpeg_bytes(np.repeat(photos[1], 2, axis=0)),
+              png(photos[2]), jpeg_bytes(photos[2])]
+    config = ImageConfig(resize=(12, 16))
+    laid_out = []
+    real = preprocess.lay_out
+    monkeypatch.setattr(preprocess, "lay_out", lambda pixels, *rest: (laid_out.append(pixels.shape), real(pixels, *rest)))
+    buffer = np.zeros((len(images), 12, 16, 3), np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        decoded = decode_images("photo", images, config, 10_000, pool, lambda shape, dtype: buffer[:shape[0]])
+    assert [isinstance(item, InvalidInput) for item in decoded] == [False, True, False, False, False]
+    rows = [item for item in decoded if not isinstance(item, InvalidInput)]
+    assert all(np.shares_memory(row, buffer) for row in rows)
+    monkeypatch.setattr(preprocess, "lay_out", real)
+    for row, data in zip(rows, [images[0], images[2], images[3], images[4]]):
+        np.testing.assert_array_equal(row, decode_image("photo", data, config, 10_000))
+    assert sorted(laid_out) == [(12, 16, 3), (12, 16, 3)]  # the resized JPEG and the PNG only
+
+
 def test_large_jpegs_decode_at_a_reduced_scale_then_resize() -> None:
     """A JPEG four times the target size per side decodes by DCT scaling (libjpeg-turbo), then
     resizes: close to decoding it whole and resizing, at a fraction of the work."""

@@ -19,6 +19,7 @@ from cluster_serving.config import load_config
 from cluster_serving.runtime.decode import decode_frame
 from cluster_serving.runtime.frames import DRAIN, POLL, write_batch_frame, write_control_frame, write_signal_frame
 from cluster_serving.runtime.outcomes import as_messages
+from cluster_serving.runtime import servables
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.scheduler import INLINE_US, Done, Scheduler
 from cluster_serving.runtime.serve import BatchServer
@@ -165,6 +166,32 @@ def test_instances_run_a_models_batches_at_once(scheduled) -> None:
     assert scheduler.server.servables.served["slow"].pools[1].size == 2
     gate.touch()
     assert set(results(scheduler.drain())) == {"i0", "i1", "i2"}
+
+
+@pytest.mark.parametrize("provider, copies", [("CPUExecutionProvider", 1), ("CUDAExecutionProvider", 2)])
+def test_instances_0_opens_two_copies_on_a_gpu_and_one_on_the_cpu(scheduled, monkeypatch: pytest.MonkeyPatch,
+                                                                  provider: str, copies: int) -> None:
+    """The default: a second copy where the model runs on a GPU (this machine has none, so the
+    opened models are marked as CUDA's), and its lane runs both; a repeated table keeps them."""
+    real = servables.open_version
+
+    def open_on(*args):
+        model = real(*args)
+        model.provider = provider
+        return model
+
+    monkeypatch.setattr(servables, "open_version", open_on)
+    scheduler, gate = scheduled(instances=0)
+    pool = scheduler.server.servables.served["slow"].pools[1]
+    assert (pool.size, scheduler.server.servables.served["fast"].pools[1].size) == (copies, copies)
+    for uri in ("g0", "g1"):
+        scheduler.submit(requests("slow", uri))
+    until(lambda: scheduler.lanes[("slow", 1)].running == copies, f"{copies} slow batch(es) running")
+    gate.touch()
+    assert set(results(scheduler.drain())) == {"g0", "g1"}
+    table = scheduler.server.servables.table
+    scheduler.submit(batch_of(write_control_frame(RoutingTable(table.generation + 1, table.default, table.entries).text())))
+    assert scheduler.server.servables.served["slow"].pools[1] is pool
 
 
 def test_a_routing_table_waits_for_the_batches_held(scheduled, tmp_path: Path) -> None:

@@ -99,8 +99,10 @@ def decode_images(
 
 
 def _decoded_into(name: str, data: bytes, out: np.ndarray, config: ImageConfig, max_pixels: int) -> np.ndarray | InvalidInput:
-    pixels = _pixels_or_error(name, data, config, max_pixels)
-    return pixels if isinstance(pixels, InvalidInput) else _laid_out_or_error(name, pixels, out, config)
+    pixels = _pixels_or_error(name, data, config, max_pixels, out)
+    if pixels is out or isinstance(pixels, InvalidInput):  # decoded in place, or refused
+        return pixels
+    return _laid_out_or_error(name, pixels, out, config)
 
 
 def _laid_out_or_error(name: str, pixels: np.ndarray, out: np.ndarray, config: ImageConfig) -> np.ndarray | InvalidInput:
@@ -111,29 +113,34 @@ def _laid_out_or_error(name: str, pixels: np.ndarray, out: np.ndarray, config: I
     return out
 
 
-def _pixels_or_error(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray | InvalidInput:
+def _pixels_or_error(name: str, data: bytes, config: ImageConfig, max_pixels: int,
+                     out: np.ndarray | None = None) -> np.ndarray | InvalidInput:
     try:
-        return _pixels_or_invalid(name, data, config, max_pixels)
+        return _pixels_or_invalid(name, data, config, max_pixels, out)
     except InvalidInput as refused:
         return refused
 
 
-def _pixels_or_invalid(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray:
+def _pixels_or_invalid(name: str, data: bytes, config: ImageConfig, max_pixels: int,
+                       out: np.ndarray | None = None) -> np.ndarray:
     try:
-        return _decode_pixels(name, data, config, max_pixels)
+        return _decode_pixels(name, data, config, max_pixels, out)
     except InvalidInput:
         raise
     except Exception as exc:
         raise InvalidInput(f"image {name!r} does not decode: {str(exc) or type(exc).__name__}") from None
 
 
-def _decode_pixels(name: str, data: bytes, config: ImageConfig, max_pixels: int) -> np.ndarray:
+def _decode_pixels(name: str, data: bytes, config: ImageConfig, max_pixels: int, out: np.ndarray | None = None) -> np.ndarray:
     """The image's pixels, HWC uint8 in the channel order of `config`, at its `resize` size;
-    decoded only once its header's size is within the limit."""
+    decoded only once its header's size is within the limit. A JPEG whose pixels are what `out`
+    takes as they are (uint8 HWC, of its size) is decoded straight into `out`, which is returned."""
     if data.startswith(JPEG_MAGIC):
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)  # the header only
         _check_size(name, width, height, max_pixels)
         if colorspace in TURBO_COLORSPACES:
+            if out is not None and _takes_as_decoded(out, height, width, config):
+                return _decode_jpeg(data, config, out)
             return _resized(_decode_jpeg(data, config), config)
     reader = next((reader for magic, reader in HEADER_READERS if data.startswith(magic)), None)
     if reader is None:
@@ -144,17 +151,25 @@ def _decode_pixels(name: str, data: bytes, config: ImageConfig, max_pixels: int)
     return _resized(pixels[:, :, ::-1] if config.channels == "BGR" else pixels, config)
 
 
+def _takes_as_decoded(out: np.ndarray, height: int, width: int, config: ImageConfig) -> bool:
+    """Whether `out` takes an image's pixels as the JPEG decoder writes them: uint8 HWC, its size."""
+    return config.layout == "HWC" and out.dtype == np.uint8 and out.shape == tensor_shape((height, width), config)
+
+
 def _check_size(name: str, width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise InvalidInput(f"image {name!r}: {width}x{height} pixels, over the limit of {max_pixels}")
 
 
-def _decode_jpeg(data: bytes, config: ImageConfig) -> np.ndarray:
-    """libjpeg-turbo's decode; a JPEG at least twice the target size on each side decodes at the
-    smallest DCT scale (1/2, 1/4, 1/8) not below it. A smaller one decodes whole, pixel for pixel
-    as Pillow decodes it."""
+def _decode_jpeg(data: bytes, config: ImageConfig, out: np.ndarray | None = None) -> np.ndarray:
+    """libjpeg-turbo's decode (into `out` when given, which must fit it); a JPEG at least twice the
+    target size on each side decodes at the smallest DCT scale (1/2, 1/4, 1/8) not below it. A
+    smaller one decodes whole, pixel for pixel as Pillow decodes it."""
     height, width = config.resize or (0, 0)
     colorspace = {"L": "GRAY", "BGR": "BGR"}.get(config.channels, "RGB")
+    if out is not None:
+        simplejpeg.decode_jpeg(data, colorspace=colorspace, buffer=out)
+        return out
     return simplejpeg.decode_jpeg(data, colorspace=colorspace, min_height=height, min_width=width, min_factor=2)
 
 

@@ -114,7 +114,7 @@ class ServableConfig(_Section):
     postprocess: ServablePostprocess = ServablePostprocess()
     steps: tuple[PipelineStep, ...] = ()
     # Defaults: the config's model.instances and model.max_queue_size.
-    instances: StrictInt = Field(1, ge=1, le=64)
+    instances: StrictInt = Field(0, ge=0, le=64)
     max_queue_size: StrictInt = Field(0, ge=0)
 
     @model_validator(mode="after")

@@ -12,9 +12,10 @@ them all, so that a checkpoint never covers a request whose result is not writte
 A batch expected to take under INLINE_US runs at once on the stage thread instead, when its
 model's lane is idle (expected: its size times the model's quickest time per request in its last
 RECENT_BATCHES, since a batch delayed by a busy core or Python's lock says little of the model): a hand-over between threads costs about 100 microseconds, more
-than such a batch (docs/models.md has the figures). Lane threads run at a lower CPU priority
-(LANE_NICENESS) than the job's own, so that where cores are short, a model busy on the CPU yields
-them to Kafka, the batcher and the models served at once, rather than slowing them all. A model whose lane holds `max_queue_size`
+than such a batch (docs/models.md has the figures). The lanes of models on the CPU run at a
+lower CPU priority (LANE_NICENESS) than the job's own threads, so that where cores are short, a
+model busy on the CPU yields them to Kafka, the batcher and the models served at once, rather
+than slowing them all; a GPU model's lane, which mostly waits for the device, keeps the job's. A model whose lane holds `max_queue_size`
 requests or more refuses the batches that come meanwhile with `overloaded` error results; with no
 bound (0), the stage waits for room, which slows every model of the job instance (backpressure).
 """
@@ -22,9 +23,7 @@ bound (0), the stage waits for room, which slows every model of the job instance
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from cluster_serving.runtime.decode import DecodedBatch
 from cluster_serving.runtime.frames import DRAIN, POLL
 from cluster_serving.runtime.outcomes import Outcome
+from cluster_serving.runtime.priority import set_thread_niceness
 from cluster_serving.runtime.serve import BatchServer, BatchStats, Routed
 from cluster_serving.wire.codec import Message
 
@@ -58,13 +58,21 @@ class Done:
     stats: BatchStats | None = None
 
 
+def on_gpu(routed: Routed) -> bool:
+    """Whether the batch's model runs on a GPU, where its lane mostly waits for the device."""
+    pool = routed.served.pools.get(routed.version)
+    return pool is not None and pool.first.provider == "CUDAExecutionProvider"
+
+
 class Lane:
     """One model version's queue and threads."""
 
     def __init__(self, server: BatchServer, routed: Routed, finished: queue.SimpleQueue[Done], changed: threading.Condition):
         self.server = server
         self.name = f"{routed.key[0]} version {routed.key[1]}"
-        self.threads = routed.served.servable.config.instances
+        pool = routed.served.pools.get(routed.version)  # a pipeline's steps have pools of their own
+        self.threads = pool.size if pool is not None else routed.served.servable.config.instances or 1
+        self.lowered = not on_gpu(routed)
         self.max_queue_size = routed.served.servable.config.max_queue_size
         self.finished = finished
         self.changed = changed  # the scheduler's: guards the counts below, notified when they drop
@@ -124,11 +132,8 @@ class Lane:
             self.jobs.put(None)
 
     def _work(self) -> None:
-        if sys.platform == "linux":  # a thread id names the thread there; elsewhere it could name a process
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
-            except OSError:  # not allowed: the lane runs as the rest
-                pass
+        if self.lowered:
+            set_thread_niceness(LANE_NICENESS)
         while (routed := self.jobs.get()) is not None:
             with self.changed:
                 self.waiting_batches -= 1

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 StageFunction = Callable[..., object]
 # How much of a model name or version header an error result repeats.
 NAME_SHOWN = 100
+# Copies of a model on a GPU where `instances` is 0: one copy's host work (decoding, copies into
+# place) overlaps the other's run, which one copy alone leaves the card idle for.
+GPU_INSTANCES = 2
 
 
 class RouteError(LookupError):
@@ -56,7 +59,9 @@ class InstancePool:
     """The open copies of one model version (servable.yaml `instances`): a batch runs on one
     that no other thread is running, so that each copy's session and buffers have one user."""
 
-    def __init__(self, copies: list[OnnxModel]):
+    def __init__(self, copies: list[OnnxModel], asked: int):
+        self.asked = asked  # the `instances` setting it was opened under (0: as its device suits)
+        self.copies = copies
         self.first = copies[0]
         self.size = len(copies)
         self.free: queue.SimpleQueue[OnnxModel] = queue.SimpleQueue()
@@ -130,7 +135,7 @@ class Servables:
             if version not in servable.files:  # a table from a control record no poller wrote
                 log.error("model %s version %d: in the routing table but not in the repository", servable.name, version)
                 continue
-            if (previous is not None and version in previous.pools and previous.pools[version].size == servable.config.instances
+            if (previous is not None and version in previous.pools and previous.pools[version].asked == servable.config.instances
                     and previous.servable.files.get(version) == servable.files.get(version)):
                 pools[version] = previous.pools[version]
                 continue
@@ -147,7 +152,9 @@ class Servables:
     def _open(self, servable: Servable, version: int) -> InstancePool | None:
         key = (servable.name, version, servable.files.get(version))
         try:
-            copies = [open_version(servable, version, self.config) for _ in range(servable.config.instances)]
+            copies = [open_version(servable, version, self.config)]
+            count = servable.config.instances or (GPU_INSTANCES if copies[0].provider == "CUDAExecutionProvider" else 1)
+            copies += [open_version(servable, version, self.config) for _ in range(count - 1)]
         except Exception as exc:  # ModelError, or whatever a file the poller did not check raises
             if key not in self.failed:
                 log.error("model %s version %d not served: %s", servable.name, version, exc)
@@ -155,7 +162,7 @@ class Servables:
             return None
         count = f" ({len(copies)} instances)" if len(copies) > 1 else ""
         log.info("opened model %s version %d on %s%s", servable.name, version, copies[0].provider, count)
-        return InstancePool(copies)
+        return InstancePool(copies, servable.config.instances)
 
     def resolve(self, model: str, version: str) -> tuple[Served, int]:
         """The servable and version a batch's route names; RouteError says what is served instead."""

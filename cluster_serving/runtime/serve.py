@@ -30,6 +30,7 @@ from cluster_serving.runtime.open_inference import SplitRequests, check_route, g
 from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow
+from cluster_serving.runtime.priority import at_process_niceness
 from cluster_serving.runtime.repository import PipelineStep, RoutingTable
 from cluster_serving.runtime.servables import RouteError, Servables, Served
 from cluster_serving.runtime.stages import apply_stage, run_pipeline
@@ -70,7 +71,8 @@ class BatchServer:
         self.config = config
         configure_pillow(config.limits.max_image_pixels)
         self.servables = Servables(config)
-        self.decode_pool = ThreadPoolExecutor(config.model.decode_threads or os.cpu_count(), "decode")
+        # Started by whichever thread first decodes images, a lowered lane's among them: at the job's priority.
+        self.decode_pool = ThreadPoolExecutor(config.model.decode_threads or os.cpu_count(), "decode", initializer=at_process_niceness)
 
     def close(self) -> None:
         """Lets the decode threads go (they start with the first batch of images)."""
