@@ -76,7 +76,7 @@ class Row:
     run_size: int = 0  # rows per session.run, raw and stage alike (0: the batch)
     stage_instances: dict[int, float] | None = None  # instances at once -> their requests/s together
     instances_in: str = "processes"
-    model_instances: int = 1  # the model's instances in each stage (servable.yaml `instances`)
+    model_instances: int = 1  # the copies of the model each stage opened (model.instances, 0 resolved)
 
     @property
     def ratio(self) -> float:
@@ -91,8 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tensor in an Open Inference Protocol encoding: mlserver, oip-json, oip-protobuf")
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
-    parser.add_argument("--model-instances", default="1", help="model.instances, the copies of the model each stage runs "
-                        "batches on at once, comma separated: a row each")
+    parser.add_argument("--model-instances", default="0", help="model.instances, the copies of the model each stage runs "
+                        "batches on at once, comma separated: a row each (0: the job's default, 2 on a GPU and 1 on the CPU)")
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
     parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
     parser.add_argument("--float16", action="store_true", help="model.float16: raw ORT and the stage both run the model in float16")
@@ -141,10 +141,10 @@ def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Names
     rows = []
     for instances in _counts(args.model_instances):
         config = stage_config(model, spec.name, kind, shape, batch, instances, args)
-        stage, in_run = serving_stage(config, records, sources, batch, args.seconds)
+        stage, in_run, copies = serving_stage(config, records, sources, batch, args.seconds)
         together = {count: stage_together(config, records, sources, batch, args, count) for count in _counts(args.instances)}
         rows.append(Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None,
-                        args.instances_in, instances))
+                        args.instances_in, copies))
     return rows
 
 
@@ -200,9 +200,9 @@ def requests(name: str, kind: str, samples: np.ndarray) -> tuple[list[tuple[str,
 
 
 def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
-                  seconds: float) -> tuple[float, float]:
-    """Requests/s of the job's serving path over a stream of the batch's frame, and the model's
-    time inside session.run as a share of it (over 100% where its instances run at once). As in
+                  seconds: float) -> tuple[float, float, int]:
+    """Requests/s of the job's serving path over a stream of the batch's frame, the model's time
+    inside session.run as a share of it (over 100% where its copies run at once), and its copies. As in
     the job, this thread reads each frame and hands it to the scheduler, the model runs on its
     lane (or at once, where quick), and the batches done are encoded into results frames. Every
     result of a first frame is checked to be one."""
@@ -226,7 +226,7 @@ def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], sourc
     finally:
         scheduler.close()
         server.close()
-    return done * batch / elapsed, in_run.seconds / elapsed
+    return done * batch / elapsed, in_run.seconds / elapsed, served.pools[version].size
 
 
 def _encoded(done: list[Done], kafka: KafkaConfig) -> bytes:
@@ -281,7 +281,7 @@ def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], sour
     (in processes or threads, as args.instances_in says), added up."""
     pool = multiprocessing.get_context("spawn").Pool(count) if args.instances_in == "processes" else ThreadPool(count)
     with pool:
-        return sum(rate for rate, _ in pool.starmap(serving_stage, [(config, records, sources, batch, args.seconds)] * count))
+        return sum(rate for rate, *_ in pool.starmap(serving_stage, [(config, records, sources, batch, args.seconds)] * count))
 
 
 def _counts(text: str) -> list[int]:
