@@ -143,17 +143,28 @@ class ChildProcess:
         self.stop()
 
 
-def supervise(children: Sequence[ChildProcess], started: Callable[[], None], stop_timeout: float = 120.0) -> int:
+def supervise(children: Sequence[ChildProcess], started: Callable[[], None], stop_timeout: float = 120.0,
+              restart_on: signal.Signals | None = None) -> int:
     """Spawns the children, calls `started`, then waits until one of them ends or Ctrl-C (or a
     signal handler's KeyboardInterrupt) arrives, and stops them all, the last spawned first: one
     child without the other serves nothing. Returns the highest exit code. The stop timeout is
-    long enough for the job's final savepoint; after it a child's group is killed."""
+    long enough for the job's final savepoint; after it a child's group is killed. The signal
+    `restart_on` restarts the embedded job among them (EmbeddedJob.restart), the others serving on."""
     codes: list[int | None] = []
+    asked: list[int] = []
+    if restart_on is not None:
+        signal.signal(restart_on, lambda signum, frame: asked.append(signum))
     try:
         for child in children:
             child.spawn()
         started()
         while all(child.running for child in children):
+            if asked:
+                asked.clear()
+                for child in children:
+                    if isinstance(child, EmbeddedJob):
+                        print("restarting the job: a final savepoint, then the job again from it", flush=True)
+                        child.restart(stop_timeout)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
@@ -247,6 +258,7 @@ class EmbeddedJob(ChildProcess):
     ):
         args = [*_config_args(config_path), *(["--fresh"] if fresh else [])]
         super().__init__(args, log_path, inherit_output=inherit_output)
+        self.config_path = config_path
         self.rest_port = rest_port
         self.flink = FlinkRest(f"http://127.0.0.1:{rest_port}")
         self.job_id = ""
@@ -262,6 +274,13 @@ class EmbeddedJob(ChildProcess):
             self.stop()
             raise
         return self
+
+    def restart(self, stop_timeout: float = 120.0) -> None:
+        """Stops the job with its final savepoint and spawns it again, resuming from that savepoint
+        (never fresh) with the config file as it reads now: a new flink.parallelism, say."""
+        self.stop(stop_timeout)
+        self.args = _config_args(self.config_path)
+        self.spawn()
 
     @property
     def web_ui(self) -> str:

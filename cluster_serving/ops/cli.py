@@ -6,6 +6,8 @@
                                                the job on an embedded Flink MiniCluster + HTTP bridge
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
     cluster-serving stop [-c CONFIG]           stops what `start` or `demo` started (final savepoint first)
+    cluster-serving restart [-c CONFIG]        the job of `start` again from a final savepoint, as the config
+                                               now says (a new flink.parallelism: a rescale); the bridge serves on
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving cluster up|submit|status|down
                                                a local standalone Flink cluster, and the job on it
@@ -39,9 +41,9 @@ from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
 from cluster_serving.ops.demo import run_demo
-from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
+from cluster_serving.ops.instances import RESTART_SIGNAL, Instance, claim, commands_for, find_instance, stop_instance
 from cluster_serving.ops.local_broker import BrokerError
-from cluster_serving.ops.operations import broker_address, check_start, start_local_broker, status_lines
+from cluster_serving.ops.operations import broker_address, check_start, restart_job, start_local_broker, status_lines
 from cluster_serving.ops.sample_model import build_sample_model
 
 if TYPE_CHECKING:
@@ -134,6 +136,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     broker_port = broker_address(config)[1] if args.local_broker else None
     instance = Instance.of("start", config, http=not args.no_http, broker_port=broker_port)
     held = claim(instance)
+    signal.signal(RESTART_SIGNAL, signal.SIG_IGN)  # a restart asked for before the job runs: it starts as the file says anyway
     broker = None
     try:
         check_start(config, http=not args.no_http, local_broker=args.local_broker)
@@ -149,7 +152,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             print(f"started job{'' if args.no_http else ' and HTTP bridge'} (pid {os.getpid()}); "
                   f"{instance.command_for('status')} / {instance.command_for('stop')}", flush=True)
 
-        return supervise(children, started)
+        return supervise(children, started, restart_on=RESTART_SIGNAL)
     finally:
         if broker:
             broker.stop()
@@ -177,6 +180,23 @@ def cmd_stop(args: argparse.Namespace) -> int:
               f"or end it: kill {instance.pid}", file=sys.stderr)
         return 1
     print("stopped")
+    return 0
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    """The job of a running `start` stopped with a final savepoint and started again from it, with
+    the config file as it reads now (a new flink.parallelism: a rescale); the bridge serves on."""
+    config, instance = find_instance(args.config, "restart")
+    if instance is None:
+        running = commands_for("restart")
+        raise ConfigError("no `cluster-serving start` runs" + (f" with {config.source}" if args.config else "")
+                          + (f"; running: {running}" if running else ""))
+    if instance.command != "start":
+        raise ConfigError(f"{instance.name} is a demo, whose job stops and starts with it; restart is for `cluster-serving start`")
+    print(f"restarting the job of {instance.name} at parallelism {config.flink.parallelism}: "
+          "a final savepoint, then the job again from it ...", flush=True)
+    job = restart_job(config, instance, args.timeout)
+    print(f"restarted: job {job['jid']} runs at parallelism {max(vertex['parallelism'] for vertex in job['vertices'])}")
     return 0
 
 
@@ -267,6 +287,11 @@ def parser() -> argparse.ArgumentParser:
     stop = command("stop", "stop what `start` or `demo` started, the job with a final savepoint", cmd_stop)
     stop.add_argument("--config", "-c", help=FIND_HELP)
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
+
+    restart = command("restart", "restart the job of a running `start` with its config as the file now says "
+                      "(a new flink.parallelism: a rescale), from a final savepoint; the bridge serves on", cmd_restart)
+    restart.add_argument("--config", "-c", help=FIND_HELP)
+    restart.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the job to run again")
 
     http = command("http", "run the HTTP bridge alone (for a job running elsewhere)", cmd_http)
     http.add_argument("--config", "-c", help=CONFIG_HELP)

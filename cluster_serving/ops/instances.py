@@ -23,6 +23,8 @@ from cluster_serving.ops.processes import pid_alive
 RECORD_FILE = ".cluster-serving.json"
 # The folder of links to live instances' records; the tests give it a folder of their own.
 REGISTRY_ENV = "CLUSTER_SERVING_RUN_DIR"
+# What `cluster-serving restart` sends a `start` process: restart the job, the bridge serving on.
+RESTART_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class Instance:
     def name(self) -> str:
         where = f"config {self.config}" if self.config else f"the default config in {self.folder}"
         return f"`cluster-serving {self.command}` (pid {self.pid}, {where})"
+
+    def ports_moved(self, config: ServingConfig) -> list[str]:
+        """The ports this instance listens on that `config` would have it listen on elsewhere."""
+        now = Instance.of(self.command, config, "http.port" in self.ports, self.ports.get("its local broker")).ports
+        return [f"{role} {port} -> {now[role]}" for role, port in self.ports.items() if now.get(role) != port]
 
     def command_for(self, verb: str) -> str:
         """The command line that reaches this instance: `cluster-serving stop -c ...`."""

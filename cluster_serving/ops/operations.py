@@ -6,6 +6,7 @@ the HTTP bridge for `status`.
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import time
 import urllib.error
@@ -25,9 +26,9 @@ from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import LocalBroker
-from cluster_serving.ops.instances import Instance, commands_for
+from cluster_serving.ops.instances import RESTART_SIGNAL, Instance, commands_for
 from cluster_serving.ops.local_broker import kafka_version
-from cluster_serving.ops.processes import listener_of
+from cluster_serving.ops.processes import listener_of, pid_alive
 from cluster_serving.runtime.repository import check_stages
 from cluster_serving.runtime.signature import repository_signatures
 
@@ -57,11 +58,7 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
     mistake is one line and leaves nothing running: the files, every served model version against
     its config, Java and the jars, the ports the job and the bridge listen on, and the broker (a running one, or
     what starting the local one needs), and the bridge's Kafka properties."""
-    config.check_files()
-    repository, _ = repository_signatures(config)  # every served version readable and as its servable.yaml says
-    check_stages(repository)
-    find_java()
-    pipeline_jars(config.flink)  # listed jars there; the default ones made on first use
+    check_job(config)
     check_port("flink.rest_port", "127.0.0.1", config.flink.rest_port)
     if http:
         check_port("http.port", config.http.host, config.http.port)
@@ -78,6 +75,39 @@ def check_start(config: ServingConfig, http: bool, local_broker: bool) -> None:
             f"kafka.bootstrap_servers: {host}:{port} is in use by {holder}, which is not a Kafka broker; "
             "stop it or set another port"
         )
+
+
+def check_job(config: ServingConfig) -> None:
+    """What the job needs of the config and the machine: its files, every served model version
+    against its config, Java and the jars."""
+    config.check_files()
+    repository, _ = repository_signatures(config)  # every served version readable and as its servable.yaml says
+    check_stages(repository)
+    find_java()
+    pipeline_jars(config.flink)  # listed jars there; the default ones made on first use
+
+
+def restart_job(config: ServingConfig, instance: Instance, timeout_s: float) -> dict:
+    """Has a `start` instance restart its job (RESTART_SIGNAL: a final savepoint, then the job
+    again from it, with the config as it reads now) and returns the details of the new job once
+    every task of it runs. Its config is checked first: a mistake stops nothing."""
+    check_job(config)
+    moved = instance.ports_moved(config)
+    if moved:
+        raise ConfigError(f"the config moves {', '.join(moved)} of the running instance: stop and start it instead")
+    flink = FlinkRest(f"http://127.0.0.1:{config.flink.rest_port}")
+    before = flink.find_job(JOB_NAME)
+    os.kill(instance.pid, RESTART_SIGNAL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and pid_alive(instance.pid):
+        job = flink.find_job(JOB_NAME)
+        if isinstance(job, dict) and job["state"] == "RUNNING" and (not isinstance(before, dict) or job["jid"] != before["jid"]):
+            flink.wait_until_running(job["jid"], deadline - time.monotonic())
+            return flink.job(job["jid"])
+        time.sleep(0.5)
+    if not pid_alive(instance.pid):
+        raise ConfigError(f"{instance.name} ended while its job restarted: its output says why")
+    raise ConfigError(f"no new job runs after {timeout_s:g} s; {instance.command_for('status')} says where it is")
 
 
 def check_port(key: str, host: str, port: int) -> None:
