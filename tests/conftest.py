@@ -9,7 +9,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -102,23 +101,6 @@ def assert_served(config: ServingConfig, count: int, seed: int, timeout: float) 
         result = results[f"req-{i}"]
         assert "error" not in result, result
         np.testing.assert_allclose(result["probabilities"], expected[i], atol=1e-5)
-
-
-def requests_per_subtask(get: Callable[[str], Any], job_id: str, parallelism: int, total: int) -> list[int]:
-    """How many requests each subtask of the job's micro-batcher took in, read from Flink's REST
-    API (`get(path)`), once they add up to `total` (or 30 s passed: its metrics are seconds old).
-    The batcher is chained to the source: its own input count, per subtask, says where they went."""
-    vertices = get(f"/jobs/{job_id}")["vertices"]
-    chain = next(vertex for vertex in vertices if "micro-batch" in vertex["name"])
-    ids = [f"{subtask}.micro-batch.numRecordsIn" for subtask in range(parallelism)]
-    url = f"/jobs/{job_id}/vertices/{chain['id']}/metrics?get={','.join(ids)}"
-    deadline = time.monotonic() + 30
-    while True:
-        metrics = {metric["id"]: metric.get("value") for metric in get(url)}
-        counts = [int(metrics.get(name) or 0) for name in ids]
-        if sum(counts) >= total or time.monotonic() > deadline:
-            return counts
-        time.sleep(1)
 
 
 def http_call(

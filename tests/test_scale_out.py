@@ -14,7 +14,8 @@ import yaml
 from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.processes import free_port
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import assert_served, http_call, requests_per_subtask
+from bench.scale_out import requests_per_subtask
+from tests.conftest import assert_served, http_call
 
 REQUESTS = 2000
 HTTP_REQUESTS_PER_BRIDGE = 200

@@ -21,7 +21,8 @@ from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.cluster import StandaloneCluster
 from cluster_serving.ops.processes import free_port
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import assert_served, http_call, requests_per_subtask
+from bench.scale_out import requests_per_subtask
+from tests.conftest import assert_served, http_call
 from tests.test_broker_outage import PacedSender, longest_gap, read_until
 
 log = logging.getLogger(__name__)
