@@ -14,7 +14,7 @@ from cluster_serving.runtime.decode import decode_frame
 from cluster_serving.runtime.frames import ALIKE, BATCH, read_frame, read_result_frame, write_alike_frame, write_batch_frame, write_control_frame
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.serve import BatchServer
-from cluster_serving.wire.codec import MAX_URI_CHARS, Message, decode_message, encode_message
+from cluster_serving.wire.codec import MAX_URI_CHARS, EncodedImage, Message, decode_message, encode_message
 
 MAX_INSTANCE_BYTES = 1 << 20
 
@@ -151,3 +151,17 @@ def test_an_alike_batch_whose_layout_does_not_decode_fails_each_request(jvm, ser
     assert read_frame(jvm_frame(jvm, broken)).kind == ALIKE
     results = results_of(jvm_split(jvm, server.serve_frame(jvm_frame(jvm, broken))))
     assert {uri: r.error for uri, r in results.items()} == {uri: "bad request: version 2 layout is not JSON" for uri in "ab"}
+
+
+def test_images_of_one_size_come_alike_and_are_read_one_by_one(jvm) -> None:
+    """The JVM groups format 2 messages by layout and size alone: image requests whose files have
+    one size come as an alike batch. Images do not stack; each request is read as it is alone."""
+    files = [bytes([i]) * 100 for i in range(3)]
+    records = [(f"i{i}", encode_message(Message(f"i{i}", {"image": EncodedImage(data)}))) for i, data in enumerate(files)]
+    frame = jvm_frame(jvm, records)
+    assert read_frame(frame).kind == ALIKE
+    limits = load_config().limits
+    batch, alone = decode_frame(frame, limits), decode_frame(write_batch_frame("", "", records), limits)
+    assert batch.alike is None and batch.rejected == [] and batch.size == 3
+    expected = [(f"i{i}", {"image": EncodedImage(data)}) for i, data in enumerate(files)]
+    assert [(m.uri, m.tensors) for m in batch.instances] == [(m.uri, m.tensors) for m in alone.instances] == expected

@@ -122,6 +122,20 @@ def test_image_bytes_and_mixed_values_round_trip(data: bytes) -> None:
     assert out["sp"].to_dense().tolist() == [[0, 2.5], [0, 0]]
 
 
+@settings(max_examples=50, deadline=None)
+@given(data=st.binary(min_size=1, max_size=4096), other=st.binary(min_size=1, max_size=64))
+def test_images_and_number_tensors_travel_in_version_2(data: bytes, other: bytes) -> None:
+    """An image request is version 2 (its bytes behind their length), read back byte for byte;
+    its layout is no stacking key, since its pixels' shapes are known only once decoded."""
+    message = Message("m", {"img": EncodedImage(data), "x": np.arange(3, dtype=np.float32), "img2": EncodedImage(other)})
+    payload = encode_message(message)
+    assert payload.startswith(V2_MAGIC) and payload.endswith(other)
+    out = decode_message(payload, LIMIT)
+    assert out.tensors["img"] == EncodedImage(data) and out.tensors["img2"] == EncodedImage(other)
+    assert out.tensors["x"].tolist() == [0, 1, 2] and out.layout_key is None
+    assert decode_message(encode_message(message, version=1), LIMIT).tensors["img"] == EncodedImage(data)
+
+
 def test_top_n_result_round_trips() -> None:
     message = Message("t", {"classes": np.array([3, 1]), "probabilities": np.array([0.7, 0.2])}, top_n=2)
     assert decode_message(encode_message(message), LIMIT).top_n == 2
@@ -222,6 +236,14 @@ def _v2(layout: object, values: bytes = b"\x00" * 8, uri: bytes = b"u") -> bytes
         (_v2({"tensors": [["t", "float32", [1]]]}), "needs 4 bytes"),
         (_v2({"tensors": [["t", "float32", [2**31 - 1, 2**31 - 1]]]}), "needs"),
         (_v2({"tensors": [["t", "float32", [1]], ["t", "int32", [1]]]}), "more than once"),
+        (_v2({"tensors": [["i", "image", [2]]]}), "'image', \\[\\]"),
+        (_v2({"tensors": [["i", "image", []]]}, b"\x01\x00"), "needs 4 bytes"),
+        (_v2({"tensors": [["i", "image", []]]}, struct.pack("<I", 0)), "image 'i': 0 bytes"),
+        (_v2({"tensors": [["i", "image", []]]}, struct.pack("<I", 9) + b"12345678"), "image 'i': 9 bytes, the message has 8 left"),
+        (_v2({"tensors": [["i", "image", []]]}, struct.pack("<I", 2**32 - 1) + b"1"), "4294967295 bytes"),
+        (_v2({"tensors": [["i", "image", []]]}, struct.pack("<I", 1) + b"12"), "values end at byte"),
+        (_v2({"tensors": [["i", "image", []], ["t", "float32", [1]]]}, struct.pack("<I", 2) + b"12" + b"\x00" * 2), "tensor 't': 4 bytes, the message has 2 left"),
+        (_v2({"tensors": [["i", "image", []], ["j", "image", []]]}, struct.pack("<I", 2) + b"12\x00\x00"), "image 'j': its length is cut short|needs 8"),
     ],
 )
 def test_refuses_bad_version_2_payloads(payload: bytes, reason: str) -> None:

@@ -26,6 +26,7 @@ from cluster_serving.wire.codec import (
     Served,
     decode_message,
     decode_stacked,
+    holds_images,
 )
 from cluster_serving.wire.open_inference import (
     RECORD_TIMESTAMP_HEADER,
@@ -107,10 +108,11 @@ def decode_frame(frame: bytes, limits: LimitsConfig) -> DecodedBatch:
         return DecodedBatch([], [], table=read.table)
     if read.kind in (POLL, DRAIN):
         return DecodedBatch([], [], signal=read.kind)
-    if read.alike is not None:
+    if read.alike is not None and not holds_images(read.alike.layout):
         batch = decode_alike(read.alike)
-    else:
-        batch, batch.dropped = decode_records(read.records, limits, read.sources)
+    else:  # images of one size came alike: each is read alone, as other images are
+        records, sources = (read.records, read.sources) if read.alike is None else (read.alike.records(), read.alike.sources)
+        batch, batch.dropped = decode_records(records, limits, sources)
         batch.expired = sum(1 for message in batch.rejected if message.error_code == "deadline_exceeded")
     batch.model, batch.version, batch.frame = read.model, read.version, read
     return batch

@@ -192,6 +192,10 @@ class AlikeRecords:
         values = self.values[index * self.value_size:(index + 1) * self.value_size]
         return message_from_parts(self.uris[index], _U32.pack(len(self.layout)) + self.layout, values)
 
+    def records(self) -> list[tuple[str, bytes]]:
+        """Each request as a batch frame carries it: (uri, its message)."""
+        return [(uri, self.payload(index)) for index, uri in enumerate(self.uris)]
+
 
 @dataclass(frozen=True)
 class AlikeResults:

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from cluster_serving.wire.tensors import TensorError, dense_array
 from cluster_serving.wire.values import (
+    IMAGE_DTYPE,
     NUMERIC_DTYPES,
     STRING_DTYPE,
     DecodeError,
@@ -46,7 +47,6 @@ from cluster_serving.wire.values import (
     parse_shape,
 )
 
-IMAGE_DTYPE = "image"
 SPARSE_LAYOUT = "coo"
 ALLOWED_DTYPES = NUMERIC_DTYPES | {STRING_DTYPE}  # of dense tensors
 # Each dtype's Arrow type, looked up once: pa.from_numpy_dtype is slow to call per value.

@@ -1,6 +1,6 @@
 """Format version 2 (see connectors/wire): dense numeric tensors as raw bytes behind a small
-header, for the common case at a header read and a numpy view per tensor; whatever else a message
-holds goes in version 1."""
+header, for the common case at a header read and a numpy view per tensor, and encoded images as
+their bytes behind a length; whatever else a message holds goes in version 1."""
 
 from __future__ import annotations
 
@@ -13,11 +13,22 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cluster_serving.wire.values import MAX_TENSORS, NUMERIC_DTYPES, DecodeError, Message, Value, check_uri, parse_shape
+from cluster_serving.wire.values import (
+    IMAGE_DTYPE,
+    MAX_TENSORS,
+    NUMERIC_DTYPES,
+    DecodeError,
+    EncodedImage,
+    Message,
+    Value,
+    check_uri,
+    parse_shape,
+)
 
 V2_MAGIC = b"CST2"  # an Arrow IPC stream starts with 0xFFFFFFFF: the two never meet
 _URI = struct.Struct("<4sH")  # the magic, the uri's length
 _LAYOUT_LENGTH = struct.Struct("<I")
+_IMAGE_LENGTH = struct.Struct("<I")  # before an image's bytes in the values
 MAX_LAYOUT_BYTES = 64 * 1024
 
 class Served(NamedTuple):
@@ -34,19 +45,33 @@ _CHARS = {np.dtype(name).char: name for name in NUMERIC_DTYPES} | {"l": "int64",
 
 
 def fits(message: Message) -> bool:
-    return message.error is None and message.top_n is None and carries(message.tensors)
+    return message.error is None and message.top_n is None and all(
+        isinstance(value, EncodedImage) and value.data or _dense_number(value) for value in message.tensors.values())
 
 
 def carries(tensors: dict[str, Value]) -> bool:
-    """Whether version 2 carries these values: dense arrays of number dtypes only."""
-    return all(isinstance(value, np.ndarray) and value.dtype.char in _CHARS for value in tensors.values())
+    """Whether version 2 carries these values as rows of a batch: dense arrays of number dtypes."""
+    return all(_dense_number(value) for value in tensors.values())
+
+
+def _dense_number(value: Value) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.char in _CHARS
 
 
 def encode(message: Message) -> bytes:
-    """The one-row case of encode_rows."""
-    rows = {name: value[np.newaxis] for name, value in message.tensors.items()}
+    """One message that `fits`: its arrays as encode_rows writes a row, its images' bytes each
+    behind their length."""
+    spec, values = [], []
+    for name, value in message.tensors.items():
+        if isinstance(value, EncodedImage):
+            spec.append((name, IMAGE_DTYPE, ()))
+            values += (_IMAGE_LENGTH.pack(len(value.data)), value.data)
+        else:
+            array = _little_endian(value)
+            spec.append((name, _CHARS[array.dtype.char], array.shape))
+            values.append(memoryview(array.reshape(-1).view(np.uint8)))
     served = Served(message.batch_size, message.inference_us, message.model, message.model_version)
-    return encode_rows([message.uri], rows, served)[0]
+    return message_from_parts(message.uri, _layout_tail(tuple(spec), served), *values)
 
 
 def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served = Served()) -> list[bytes]:
@@ -138,16 +163,36 @@ def decode(payload: bytes) -> Message:
     layout = bytes(payload[at:at + layout_length])
     tensors, needed, served = _parse_layout(layout)
     at += layout_length
-    if needed != len(payload) - at:
+    has_images = any(dtype is None for _, dtype, _, _ in tensors)
+    if needed != len(payload) - at and not (has_images and needed <= len(payload) - at):
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
-    values = {}
+    values: dict[str, Value] = {}
     for name, dtype, shape, nbytes in tensors:
+        if dtype is None:
+            values[name], at = _image(name, payload, at)
+            continue
+        if at + nbytes > len(payload):  # after an image of the wrong length
+            raise DecodeError(f"tensor {name!r}: {nbytes} bytes, the message has {len(payload) - at} left")
         values[name] = np.frombuffer(payload, dtype, math.prod(shape), at).reshape(shape)
         at += nbytes
+    if at != len(payload):
+        raise DecodeError(f"version 2 values end at byte {at} of a message of {len(payload)}")
     # Positional arguments (uri, tensors, error, error_code, batch_size, inference_us, top_n, model,
-    # model_version, layout_key): a dataclass is built at less than half the cost of keywords.
+    # model_version, layout_key): a dataclass is built at less than half the cost of keywords. A
+    # layout with images is no key: their pixels' shapes are known once they are decoded.
     batch_size, inference_us, model, model_version = served
-    return Message(uri, values, None, None, batch_size, inference_us, None, model, model_version, layout)
+    return Message(uri, values, None, None, batch_size, inference_us, None, model, model_version, None if has_images else layout)
+
+
+def _image(name: str, payload: bytes, at: int) -> tuple[EncodedImage, int]:
+    """The image whose length is at `at`, and where the values go on after it."""
+    if at + _IMAGE_LENGTH.size > len(payload):
+        raise DecodeError(f"image {name!r}: its length is cut short")
+    (length,) = _IMAGE_LENGTH.unpack_from(payload, at)
+    at += _IMAGE_LENGTH.size
+    if not 0 < length <= len(payload) - at:
+        raise DecodeError(f"image {name!r}: {length} bytes, the message has {len(payload) - at} left")
+    return EncodedImage(bytes(payload[at:at + length])), at + length
 
 
 def decode_stacked(layout: bytes, count: int, values: memoryview) -> tuple[dict[str, np.ndarray], Served]:
@@ -157,6 +202,8 @@ def decode_stacked(layout: bytes, count: int, values: memoryview) -> tuple[dict[
     if len(layout) > MAX_LAYOUT_BYTES:
         raise DecodeError(f"version 2 layout of {len(layout)} bytes does not fit the message")
     tensors, needed, served = _parse_layout(layout)
+    if any(dtype is None for _, dtype, _, _ in tensors):
+        raise DecodeError("version 2 images do not stack: decode each message")
     if needed * count != len(values):
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(values) // count}")
     if len(tensors) == 1:
@@ -169,10 +216,21 @@ def decode_stacked(layout: bytes, count: int, values: memoryview) -> tuple[dict[
     return stacked, served
 
 
+def holds_images(layout: bytes) -> bool:
+    """Whether messages of this layout hold images, which decode_stacked does not stack (False
+    for a layout that does not parse: decode_stacked says why)."""
+    try:
+        tensors, _, _ = _parse_layout(layout)
+    except DecodeError:
+        return False
+    return any(dtype is None for _, dtype, _, _ in tensors)
+
+
 @functools.lru_cache(maxsize=64)
 def _parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...], int]], int, Served]:
-    """The checked layout: (name, dtype, shape, bytes) per tensor, the bytes of all the values,
-    and what a result says of how it was served.
+    """The checked layout: (name, dtype, shape, bytes) per tensor (an image: dtype None, shape (),
+    its length's 4 bytes: at least that many), the bytes of all the values, and what a result says
+    of how it was served.
     Cached (a failed parse raises and is not), so a stream of like messages parses it once."""
     try:
         layout = json.loads(text)
@@ -183,8 +241,12 @@ def _parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...
         raise DecodeError(f"version 2 layout must list at most {MAX_TENSORS} tensors")
     tensors = []
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in NUMERIC_DTYPES):
-            raise DecodeError(f"version 2 tensor entry {str(entry)[:100]} is not [name, number dtype, shape]")
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and (entry[1] in NUMERIC_DTYPES or entry[1] == IMAGE_DTYPE and entry[2] == [])):
+            raise DecodeError(f"version 2 tensor entry {str(entry)[:100]} is not [name, number dtype, shape] or [name, 'image', []]")
+        if entry[1] == IMAGE_DTYPE:
+            tensors.append((entry[0], None, (), _IMAGE_LENGTH.size))
+            continue
         name, dtype = entry[0], np.dtype(entry[1]).newbyteorder("<")
         shape = parse_shape(name, json.dumps(entry[2]))
         tensors.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))

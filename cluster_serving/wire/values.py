@@ -18,6 +18,8 @@ NUMERIC_DTYPES = frozenset(
      "float16", "float32", "float64"}
 )
 STRING_DTYPE = "str"
+# An encoded image (JPEG/PNG bytes) as both versions name it.
+IMAGE_DTYPE = "image"
 # Kafka record headers of a request: the model (UTF-8 name) and version (decimal text) that are
 # to serve it, absent for the default model and its newest version; and the header that marks a
 # record as a routing table from the job's repository poller, not a request, with its signature
