@@ -168,11 +168,11 @@ def test_instances_run_a_models_batches_at_once(scheduled) -> None:
     assert set(results(scheduler.drain())) == {"i0", "i1", "i2"}
 
 
-@pytest.mark.parametrize("provider, copies", [("CPUExecutionProvider", 1), ("CUDAExecutionProvider", 2)])
-def test_instances_0_opens_two_copies_on_a_gpu_and_one_on_the_cpu(scheduled, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("provider, copies", [("CPUExecutionProvider", 1), ("CUDAExecutionProvider", 3)])
+def test_instances_0_opens_three_copies_on_a_gpu_and_one_on_the_cpu(scheduled, monkeypatch: pytest.MonkeyPatch,
                                                                   provider: str, copies: int) -> None:
-    """The default: a second copy where the model runs on a GPU (this machine has none, so the
-    opened models are marked as CUDA's), and its lane runs both; a repeated table keeps them."""
+    """The default: three copies where the model runs on a GPU (this machine has none, so the
+    opened models are marked as CUDA's), and its lane runs them all; a repeated table keeps them."""
     real = servables.open_version
 
     def open_on(*args):
@@ -184,11 +184,12 @@ def test_instances_0_opens_two_copies_on_a_gpu_and_one_on_the_cpu(scheduled, mon
     scheduler, gate = scheduled(instances=0)
     pool = scheduler.server.servables.served["slow"].pools[1]
     assert (pool.size, scheduler.server.servables.served["fast"].pools[1].size) == (copies, copies)
-    for uri in ("g0", "g1"):
+    uris = {f"g{i}" for i in range(copies)}
+    for uri in sorted(uris):
         scheduler.submit(requests("slow", uri))
     until(lambda: scheduler.lanes[("slow", 1)].running == copies, f"{copies} slow batch(es) running")
     gate.touch()
-    assert set(results(scheduler.drain())) == {"g0", "g1"}
+    assert set(results(scheduler.drain())) == uris
     table = scheduler.server.servables.table
     scheduler.submit(batch_of(write_control_frame(RoutingTable(table.generation + 1, table.default, table.entries).text())))
     assert scheduler.server.servables.served["slow"].pools[1] is pool

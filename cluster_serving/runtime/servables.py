@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 StageFunction = Callable[..., object]
 # How much of a model name or version header an error result repeats.
 NAME_SHOWN = 100
-# Copies of a model on a GPU where `instances` is 0: one copy's host work (decoding, copies into
-# place) overlaps the other's run, which one copy alone leaves the card idle for.
-GPU_INSTANCES = 2
+# Copies of a model on a GPU where `instances` is 0: their host work (decoding, copies into
+# place) overlaps the others' runs, which one copy alone leaves the card idle for.
+GPU_INSTANCES = 3
 
 
 class RouteError(LookupError):

@@ -37,6 +37,9 @@ from cluster_serving.runtime.stages import apply_stage, run_pipeline
 from cluster_serving.wire.codec import Message
 
 log = logging.getLogger(__name__)
+# Image decoders where model.decode_threads is 0 (fewer on fewer cores): on a 16-core host, more
+# threads waited longer for Python's lock between images than they gained.
+DECODE_THREADS = 4
 
 
 @dataclass
@@ -72,7 +75,8 @@ class BatchServer:
         configure_pillow(config.limits.max_image_pixels)
         self.servables = Servables(config)
         # Started by whichever thread first decodes images, a lowered lane's among them: at the job's priority.
-        self.decode_pool = ThreadPoolExecutor(config.model.decode_threads or os.cpu_count(), "decode", initializer=at_process_niceness)
+        threads = config.model.decode_threads or min(os.cpu_count() or 1, DECODE_THREADS)
+        self.decode_pool = ThreadPoolExecutor(threads, "decode", initializer=at_process_niceness)
 
     def close(self) -> None:
         """Lets the decode threads go (they start with the first batch of images)."""
