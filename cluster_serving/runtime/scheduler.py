@@ -58,12 +58,6 @@ class Done:
     stats: BatchStats | None = None
 
 
-def on_gpu(routed: Routed) -> bool:
-    """Whether the batch's model runs on a GPU, where its lane mostly waits for the device."""
-    pool = routed.served.pools.get(routed.version)
-    return pool is not None and pool.first.provider == "CUDAExecutionProvider"
-
-
 class Lane:
     """One model version's queue and threads."""
 
@@ -72,7 +66,7 @@ class Lane:
         self.name = f"{routed.key[0]} version {routed.key[1]}"
         pool = routed.served.pools.get(routed.version)  # a pipeline's steps have pools of their own
         self.threads = pool.size if pool is not None else routed.served.servable.config.instances or 1
-        self.lowered = not on_gpu(routed)
+        self.lowered = pool is None or pool.first.provider != "CUDAExecutionProvider"  # a GPU model's lane mostly waits
         self.max_queue_size = routed.served.servable.config.max_queue_size
         self.finished = finished
         self.changed = changed  # the scheduler's: guards the counts below, notified when they drop
