@@ -135,6 +135,15 @@ def multi_model_rows(multi: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def protocol_drain(model: dict[str, Any], protocol: str) -> str:
+    """The running drain of the backlog in an OIP encoding; "-" for a model sent none (images)."""
+    drain = model["protocol_drains"].get(protocol)
+    if drain is None:
+        return "-"
+    return (f"{'at least ' if drain['bound_by_writer'] else ''}{drain['capacity']:,.0f} ({drain['capacity'] / model['capacity']:#.3g}"
+            f" x ours), CPU {drain['job_cpu_us_per_request']:.1f} us per request")
+
+
 def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(label, one cell per model) for every figure of the report, ratios last."""
     b, most = args.batch_size, args.http_clients[-1]
@@ -160,10 +169,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
             f"the drains before it: {earlier_drains(m)})")),
         row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
-        *(row(f"  the backlog in {protocol}, running (req/s)", lambda m, protocol=protocol: (
-            f"{'at least ' if m['protocol_drains'][protocol]['bound_by_writer'] else ''}"
-            f"{m['protocol_drains'][protocol]['capacity']:,.0f} ({m['protocol_drains'][protocol]['capacity'] / m['capacity']:#.3g}"
-            f" x ours), CPU {m['protocol_drains'][protocol]['job_cpu_us_per_request']:.1f} us per request"))
+        *(row(f"  the backlog in {protocol}, running (req/s)", lambda m, protocol=protocol: protocol_drain(m, protocol))
           for protocol in args.protocols),
         row("  job CPU per request, running (us)", lambda m: f"{m['job_cpu_us_per_request']:.1f}"),
         row("job mean batch", lambda m: f"{m['mean_batch']:.1f}"),

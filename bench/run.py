@@ -432,8 +432,10 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
             running = [f"running-{drain}-{i}" for i in range(len(backlog))]
             drains.append((running, *running_drain(config, reader, job, model, samples, running)))
         running, capacity, writer_bound, cpu_us = drains[-1]
-        # The same backlog in the peers' encodings (the client's protocol=, one instance a request).
-        protocol_drains = {protocol: ([f"{protocol}-{i}" for i in range(len(backlog))],) for protocol in args.protocols}
+        # The same backlog in the peers' encodings (the client's protocol=, one instance a request);
+        # tensors only: an image request is no OIP tensor.
+        protocols = [] if model.images else args.protocols
+        protocol_drains = {protocol: ([f"{protocol}-{i}" for i in range(len(backlog))],) for protocol in protocols}
         for protocol, (uris,) in protocol_drains.items():
             protocol_drains[protocol] = (uris, *running_drain(config, reader, job, model, samples, uris, protocol))
         progress(model.name, "raw ONNX Runtime (2 of 3) ...")
