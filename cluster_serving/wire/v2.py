@@ -163,7 +163,7 @@ def decode(payload: bytes) -> Message:
     layout = bytes(payload[at:at + layout_length])
     tensors, needed, served = _parse_layout(layout)
     at += layout_length
-    has_images = any(dtype is None for _, dtype, _, _ in tensors)
+    has_images = _holds_image(tensors)
     if needed != len(payload) - at and not (has_images and needed <= len(payload) - at):
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(payload) - at}")
     values: dict[str, Value] = {}
@@ -202,7 +202,7 @@ def decode_stacked(layout: bytes, count: int, values: memoryview) -> tuple[dict[
     if len(layout) > MAX_LAYOUT_BYTES:
         raise DecodeError(f"version 2 layout of {len(layout)} bytes does not fit the message")
     tensors, needed, served = _parse_layout(layout)
-    if any(dtype is None for _, dtype, _, _ in tensors):
+    if _holds_image(tensors):
         raise DecodeError("version 2 images do not stack: decode each message")
     if needed * count != len(values):
         raise DecodeError(f"version 2 layout needs {needed} bytes of values, the message has {len(values) // count}")
@@ -223,6 +223,11 @@ def holds_images(layout: bytes) -> bool:
         tensors, _, _ = _parse_layout(layout)
     except DecodeError:
         return False
+    return _holds_image(tensors)
+
+
+def _holds_image(tensors: list[tuple[str, np.dtype | None, tuple[int, ...], int]]) -> bool:
+    """Whether a parsed layout has an image among its tensors (dtype None)."""
     return any(dtype is None for _, dtype, _, _ in tensors)
 
 
