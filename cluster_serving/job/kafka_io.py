@@ -34,10 +34,13 @@ RESULT_RECORD = Types.ROW_NAMED(["key", "value", "headers"], [Types.PRIMITIVE_AR
 # Fetches of up to 8 MiB per partition: the default 1 MiB holds 21 requests of 48 KiB, and the
 # task thread, busy with a batch's inference, came back to a nearly empty fetch queue.
 SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.fetch.bytes": str(8 << 20)}
-# Send results at once instead of waiting to fill a batch; the load is already micro-batched.
-# Results up to the project's record limit (the producer's own default is 1 MiB); cluster_serving/runtime/encode.py
-# turns a larger one into an error result, so the sink never meets a record it must refuse.
-SINK_PROPERTIES = {"linger.ms": "1", "max.request.size": str(KAFKA_RECORD_BYTES)}
+# Results of a few milliseconds go to the broker in one request (as librdkafka's linger of 5 ms and
+# batches up to 1 MB do): the producer's default 16 KiB batch holds only ~150 small results, and a
+# request per millisecond cost the producer's thread and the broker, on the job's cores, more than
+# the results themselves (docs/benchmarks.md). Results up to the project's record limit (the
+# producer's own default is 1 MiB); cluster_serving/runtime/encode.py turns a larger one into an error
+# result, so the sink never meets a record it must refuse.
+SINK_PROPERTIES = {"linger.ms": "5", "batch.size": str(256 << 10), "max.request.size": str(KAFKA_RECORD_BYTES)}
 # The logger of every Flink metric group, and the one message of it that drop_committer_gauge_warning drops.
 METRIC_GROUP_LOGGER = "org.apache.flink.metrics.MetricGroup"
 COMMITTER_GAUGE_COLLISION = r"Name collision: Group already contains a Metric with the name 'pendingCommittables'\..*"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 from pyflink.datastream import MapFunction, RuntimeContext
+from pyflink.metrics import Counter
 
 from cluster_serving.config import KafkaConfig, LimitsConfig, ServingConfig
 from cluster_serving.runtime.dead_letters import dead_letters
@@ -13,6 +14,13 @@ from cluster_serving.runtime.decode import DecodedBatch, decode_frame
 from cluster_serving.runtime.encode import batches_frame
 from cluster_serving.runtime.scheduler import Done, Scheduler
 from cluster_serving.runtime.serve import BatchServer, BatchStats
+
+
+def add(counter: Counter, count: int) -> None:
+    """Counts `count` more; a count of 0, most batches' errors, skips the call into the JVM, which
+    PyFlink makes for every inc."""
+    if count:
+        counter.inc(count)
 
 
 class DecodeBatch(MapFunction):
@@ -34,8 +42,8 @@ class DecodeBatch(MapFunction):
         if batch.table is None and batch.signal is None:
             batch.ordinal, self.request_frames = self.request_frames, self.request_frames + 1
         self.records_in.inc(batch.size)
-        self.decode_errors.inc(len(batch.rejected) - batch.expired + len(batch.dropped))
-        self.deadline_exceeded.inc(batch.expired)
+        add(self.decode_errors, len(batch.rejected) - batch.expired + len(batch.dropped))
+        add(self.deadline_exceeded, batch.expired)
         return batch
 
 
@@ -90,7 +98,7 @@ class ServeBatch(MapFunction):
         for sizes, times, errors, served in (self.per_version[key], self.totals):
             sizes.update(stats.size)
             times.update(stats.elapsed_us)
-            errors.inc(stats.failed)
+            add(errors, stats.failed)
             served.inc(stats.size)
 
 
@@ -108,6 +116,6 @@ class EncodeResults(MapFunction):
         batches = []
         for done in value:
             letters = dead_letters(done.batch, done.outcomes, self.kafka)
-            self.dead_letters.inc(len(letters))
+            add(self.dead_letters, len(letters))
             batches.append((done.outcomes, letters, done.batch.answers))
         return batches_frame(batches, [done.batch.ordinal for done in value if done.batch.ordinal >= 0])
