@@ -63,10 +63,13 @@ class InstancePool:
         self.asked = asked  # the `instances` setting it was opened under (0: as its device suits)
         self.copies = copies
         self.first = copies[0]
-        self.size = len(copies)
         self.free: queue.SimpleQueue[OnnxModel] = queue.SimpleQueue()
         for copy in copies:
             self.free.put(copy)
+
+    @property
+    def size(self) -> int:
+        return len(self.copies)
 
     @contextmanager
     def instance(self) -> Iterator[OnnxModel]:
