@@ -58,6 +58,7 @@ class ResultReader:
     uri's result arrived."""
 
     def __init__(self, bootstrap_servers: str, topic: str, from_end: bool = False):
+        self.bootstrap_servers, self.topic = bootstrap_servers, topic
         self.consumer = Consumer({
             "bootstrap.servers": bootstrap_servers, "group.id": "cs-bench-reader", "enable.auto.commit": False,
             # As kafka-python reads by default, and as the bench read before it moved to librdkafka.
@@ -76,20 +77,50 @@ class ResultReader:
         return sum(self.consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
                    for p in self.partitions)
 
-    def drain_rate(self, start: int, end: int, alive: Callable[[], bool], timeout_s: float) -> float:
-        """Results per second while the result topic grew past `start` records up to `end`, from
-        the counts actually read at both ends: the server may be far past `start` at the first
-        reading. NaN when it never reached `end`, or when the server stopped being `alive` first."""
+    def wait_for(self, count: int, alive: Callable[[], bool], timeout_s: float) -> bool:
+        """Whether the topic came to hold `count` results within `timeout_s`, while the server was `alive`."""
         deadline = time.monotonic() + timeout_s
-        first: tuple[float, int] | None = None
-        while time.monotonic() < deadline and alive():
-            total, now = self.written(), time.perf_counter()
-            if first is None and total >= start:
-                first = (now, total)
-            if first is not None and total >= end and now > first[0]:
-                return (total - first[1]) / (now - first[0])
+        while self.written() < count:
+            if time.monotonic() > deadline or not alive():
+                return False
             time.sleep(0.02)
-        return float("nan")
+        return True
+
+    def drain_rate(self, start: int, end: int) -> float:
+        """Results per second from the topic's `start`-th result to its `end`-th, timed by the
+        broker's append stamps of the two (the bench's topics: LogAppendTime); NaN within one
+        millisecond. The sorted stamps are the topic's count over time by the broker's clock: a
+        reading of the end offsets comes when the busy cores let it, and timed the drain from
+        there."""
+        stamps = self.append_times_ms()
+        span_s = (stamps[end - 1] - stamps[start]) / 1000
+        return (end - 1 - start) / span_s if span_s > 0 else float("nan")
+
+    def append_times_ms(self) -> list[int]:
+        """When the broker appended each record on the topic now (all partitions), in the order of
+        those times, read by a consumer of its own that decodes nothing."""
+        consumer = Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": "cs-bench-stamps",
+                             "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+        try:
+            ends = {p.partition: consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
+                    for p in self.partitions}
+            left = {partition: end for partition, end in ends.items() if end > 0}
+            consumer.assign([TopicPartition(self.topic, partition, OFFSET_BEGINNING) for partition in left])
+            stamps: list[int] = []
+            while left:
+                messages = fetched(consumer, 1.0)
+                for message in messages:
+                    if message.error() is None and message.offset() < ends[message.partition()]:
+                        stamps.append(message.timestamp()[1])
+                        if message.offset() == ends[message.partition()] - 1:
+                            left.pop(message.partition(), None)
+                if not messages:  # the last offsets may be transaction markers, never delivered
+                    for position in consumer.position([TopicPartition(self.topic, p) for p in left]):
+                        if position.offset >= ends[position.partition]:
+                            left.pop(position.partition, None)
+            return sorted(stamps)
+        finally:
+            consumer.close()
 
     def read_until(self, uris: list[str], timeout: float) -> None:
         """Reads until every uri has its result (or `timeout`). Each result is stamped as it comes
