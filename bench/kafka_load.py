@@ -89,11 +89,11 @@ class ResultReader:
     def drain_rate(self, start: int, end: int) -> float:
         """Results per second from the topic's `start`-th result to its `end`-th, timed by the
         broker's append stamps of the two (the bench's topics: LogAppendTime); NaN within one
-        millisecond. The sorted stamps are the topic's count over time by the broker's clock: a
-        reading of the end offsets comes when the busy cores let it, and timed the drain from
-        there."""
+        millisecond, or when fewer records hold stamps (transaction markers count in the end
+        offsets). The sorted stamps are the topic's count over time by the broker's own clock;
+        polled end offsets timed a drain from whenever a reading came through on the busy cores."""
         stamps = self.append_times_ms()
-        span_s = (stamps[end - 1] - stamps[start]) / 1000
+        span_s = (stamps[end - 1] - stamps[start]) / 1000 if len(stamps) >= end else 0.0
         return (end - 1 - start) / span_s if span_s > 0 else float("nan")
 
     def append_times_ms(self) -> list[int]:
@@ -104,7 +104,7 @@ class ResultReader:
         try:
             ends = {p.partition: consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
                     for p in self.partitions}
-            left = {partition: end for partition, end in ends.items() if end > 0}
+            left = {partition for partition, end in ends.items() if end > 0}
             consumer.assign([TopicPartition(self.topic, partition, OFFSET_BEGINNING) for partition in left])
             stamps: list[int] = []
             while left:
@@ -113,11 +113,11 @@ class ResultReader:
                     if message.error() is None and message.offset() < ends[message.partition()]:
                         stamps.append(message.timestamp()[1])
                         if message.offset() == ends[message.partition()] - 1:
-                            left.pop(message.partition(), None)
+                            left.discard(message.partition())
                 if not messages:  # the last offsets may be transaction markers, never delivered
                     for position in consumer.position([TopicPartition(self.topic, p) for p in left]):
                         if position.offset >= ends[position.partition]:
-                            left.pop(position.partition, None)
+                            left.discard(position.partition)
             return sorted(stamps)
         finally:
             consumer.close()
