@@ -102,8 +102,7 @@ LATENCY_MIN_REQUESTS = 100
 # Backlogs written while the job runs, drained one after another; the last one's rate is its capacity.
 RUNNING_DRAINS = 2
 # A running drain's rest, after its backlog is written, is timed only when it takes at least this
-# long: once the rest (at least half of 200,000) was appended in a burst as the writer finished,
-# at 628,270 req/s, 4.7 times the drain before it.
+# long: a shorter one can be a burst of results appended as the writer finished (docs/benchmarks.md).
 SHORTEST_TIMED_DRAIN_S = 0.25
 # The restarted job's paced phase: its latency in windows of this length.
 FIRST_MINUTE_S = 60.0
