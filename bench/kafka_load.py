@@ -72,10 +72,14 @@ class ResultReader:
         self.arrivals: dict[str, Arrival] = {}
         self.duplicates = 0
 
+    def end_offsets(self) -> dict[int, int]:
+        """Each partition's end offset now."""
+        return {p.partition: self.consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
+                for p in self.partitions}
+
     def written(self) -> int:
         """Results on the topic now, all partitions (their end offsets)."""
-        return sum(self.consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
-                   for p in self.partitions)
+        return sum(self.end_offsets().values())
 
     def wait_for(self, count: int, alive: Callable[[], bool], timeout_s: float) -> bool:
         """Whether the topic came to hold `count` results within `timeout_s`, while the server was `alive`."""
@@ -102,8 +106,7 @@ class ResultReader:
         consumer = Consumer({"bootstrap.servers": self.bootstrap_servers, "group.id": "cs-bench-stamps",
                              "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
         try:
-            ends = {p.partition: consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
-                    for p in self.partitions}
+            ends = self.end_offsets()
             left = {partition for partition, end in ends.items() if end > 0}
             consumer.assign([TopicPartition(self.topic, partition, OFFSET_BEGINNING) for partition in left])
             stamps: list[int] = []
