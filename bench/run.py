@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import re
 import shutil
@@ -236,9 +237,8 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
     rate = reader.drain_rate(written, end) if written - before <= len(uris) // 2 else float("nan")
     reader.read_until(uris, timeout=300)
-    if (end - written) / rate >= SHORTEST_TIMED_DRAIN_S:
-        return rate, False, cpu_us
-    return whole, True, cpu_us
+    timed = not math.isnan(rate) and (end - written) / rate >= SHORTEST_TIMED_DRAIN_S
+    return (rate, False, cpu_us) if timed else (whole, True, cpu_us)
 
 
 def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarray | list, uris: list[str],
