@@ -17,11 +17,11 @@ requests), all measured in this run on this machine:
    job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
    on the same backlog, timed the same way as the job, with the job's run size;
-3. the job: it starts on that backlog and drains it, timed by the result topic's end offsets
-   (read every 20 ms, so the client's own decoding speed is not in the figure; counted from the
-   first reading past a warm-up share of the backlog to the last): its capacity right after start;
-   then capacity = the rate at which the running job drains a second backlog as large, written
-   while it serves (see running_drain), and its serving stage alone over that backlog, from the
+3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
+   results (so the client's own decoding speed is not in the figure; from the one past a warm-up
+   share of the backlog to the last): its capacity right after start; then capacity = the rate
+   at which the running job drains a second backlog as large, written in one transaction while
+   it serves (see running_drain), and its serving stage alone over that backlog, from the
    time each result says its batch took; then latency (send -> result read) of requests paced
    at half that capacity (or --rate) for --latency-seconds, after 30 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
@@ -48,6 +48,7 @@ and latencies milliseconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import multiprocessing
@@ -214,30 +215,27 @@ def no_results(server: ChildProcess, end: int) -> RuntimeError:
 
 def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
                   samples: np.ndarray, uris: list[str], protocol: str = "native") -> tuple[float, bool, float]:
-    """(capacity, bound by the writer, microseconds of the job's CPU per request): the running
+    """(capacity, a lower bound only, microseconds of the job's CPU per request): the running
     job's drain rate, and the CPU its processes (Python and the Flink JVM, all their threads) used
-    from the first write of the backlog to its last result. A second backlog goes on the
-    input topic through enqueue_batch while the job serves, several times faster than it drains, and
-    is timed like the first from the moment it is all written. The first drain, begun as the job
-    starts, runs while the JVM's JIT compilers are at work: the mlp's was 47,923-66,561 req/s and
-    this one 78,301-140,362 in twelve runs of thirteen (the thirteenth: 96,574 and 83,783), the
-    same job code, one evening. Should the job drain more than half of the backlog while it is
-    written, or the rest in less than SHORTEST_TIMED_DRAIN_S, what is left is too short to time:
-    the figure is then the whole backlog over the time from its first write to its last result, a
-    lower bound set by the writer."""
+    from the first write of the backlog to its last result. A second backlog goes on the input
+    topic through enqueue_batch in one Kafka transaction while the job serves: the job, reading
+    committed requests only, meets all of it at once when it commits, however slow the writer,
+    and is timed like the first drain from then. Should the drain take less than
+    SHORTEST_TIMED_DRAIN_S, it is too short to time: the figure is then the whole backlog over the
+    time from its first write to its last result, a lower bound set by the writer."""
     progress(model.name, f"a second backlog of {len(uris)} requests{'' if protocol == 'native' else ' in ' + protocol},"
-                         " written while the job runs ...")
+                         " written in one transaction while the job runs ...")
     before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
-    enqueue_batch_all(config, uris, model.input_name, samples, protocol)
-    written = reader.written()
+    enqueue_batch_all(config, uris, model.input_name, samples, protocol, transactional_id=f"cs-bench-{model.name}")
+    committed = reader.written()
     end = before + len(uris)
     if not reader.wait_for(end, lambda: job.running, DRAIN_TIMEOUT_S):
         raise no_results(job, end)
     whole = len(uris) / (time.perf_counter() - started)
     cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
-    rate = reader.drain_rate(written, end) if written - before <= len(uris) // 2 else float("nan")
+    rate = reader.drain_rate(committed, end)
     reader.read_until(uris, timeout=300)
-    timed = not math.isnan(rate) and (end - written) / rate >= SHORTEST_TIMED_DRAIN_S
+    timed = not math.isnan(rate) and (end - committed) / rate >= SHORTEST_TIMED_DRAIN_S
     return (rate, False, cpu_us) if timed else (whole, True, cpu_us)
 
 
@@ -307,11 +305,14 @@ def client_rate(method: str, model: BenchModel, count: int, send: Callable[[], N
 
 
 def enqueue_batch_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray,
-                      protocol: str = "native") -> None:
+                      protocol: str = "native", transactional_id: str | None = None) -> None:
     """One request per uri (input `name`, cycling through `samples`) through one enqueue_batch
-    call, in `protocol` (InputQueue's; in the OIP ones each a batch of one)."""
+    call, in `protocol` (InputQueue's; in the OIP ones each a batch of one); with a
+    `transactional_id`, all in one Kafka transaction."""
     batch = (lambda sample: sample) if protocol == "native" else (lambda sample: sample[np.newaxis])
-    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic, protocol=protocol) as inputs:
+    kafka = {"transactional_id": transactional_id} if transactional_id else {}
+    with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic, protocol=protocol, **kafka) as inputs, \
+            inputs.transaction() if transactional_id else contextlib.nullcontext():
         inputs.enqueue_batch((uri, {name: batch(samples[i % len(samples)])}) for i, uri in enumerate(uris))
 
 

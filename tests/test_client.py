@@ -115,6 +115,30 @@ def test_dequeue_hands_over_what_is_committed_without_waiting_for_an_open_transa
         assert list(collect(outputs, 1, timeout=60)) == ["in-transaction"]
 
 
+def test_a_transaction_is_written_whole_or_not_at_all(broker) -> None:
+    """What a read_committed reader (the job) sees of InputQueue.transaction: a block that ends
+    commits its requests, one that raises aborts them; the queue takes no request outside one."""
+    bootstrap = broker.bootstrap_servers
+    topic = new_topic(bootstrap)
+    one = np.ones(2, np.float32)
+    with InputQueue(bootstrap, topic, transactional_id=f"tx-{uuid.uuid4().hex}") as inputs:
+        with inputs.transaction():
+            inputs.enqueue_batch([("kept-1", {"x": one}), ("kept-2", {"x": one})])
+        with pytest.raises(ZeroDivisionError), inputs.transaction():
+            inputs.enqueue("dropped", x=one)
+            inputs.flush()
+            1 / 0
+        with pytest.raises(RuntimeError, match=r"enqueue inside `with queue.transaction\(\):`"):
+            inputs.enqueue("outside", x=one)
+    committed = [record.key for record in topic_records(bootstrap, topic, "read_committed")]
+    everything = [record.key for record in topic_records(bootstrap, topic)]
+    assert committed == [b"kept-1", b"kept-2"]
+    assert everything == [b"kept-1", b"kept-2", b"dropped"]
+    with InputQueue(bootstrap, topic) as plain, pytest.raises(RuntimeError, match="transactional_id"):
+        with plain.transaction():
+            pass
+
+
 @pytest.mark.parametrize("make", [
     lambda: InputQueue("127.0.0.1:9", "t", no_such_setting=1),
     lambda: OutputQueue("127.0.0.1:9", "t", no_such_setting=1),

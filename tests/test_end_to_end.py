@@ -12,7 +12,7 @@ from kafka import KafkaProducer
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.ops.processes import process_group_members
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import assert_served
+from tests.conftest import assert_served, collect
 
 COUNT = 2000
 
@@ -62,3 +62,32 @@ def test_job_and_broker_listen_on_loopback_only(broker, write_config, start_job)
     addresses = listening_addresses(pids)
     assert any(address.endswith(f":{config.flink.rest_port}") for address in addresses), addresses
     assert all(address.startswith(("127.", "[::ffff:127.", "[::1]")) for address in addresses), addresses
+
+
+def test_requests_in_a_transaction_are_served_once_committed_and_never_when_aborted(write_config, start_job) -> None:
+    """The job reads committed requests only: an open transaction's wait for its commit, an
+    aborted one's are never served, and a plain request behind them is (one partition: in order)."""
+    path, config = write_config()
+    start_job(path, config)
+    kafka = config.kafka
+    one = np.ones(FEATURES, np.float32)
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic, transactional_id=f"{kafka.group_id}-writer") as atomic, \
+            InputQueue(kafka.bootstrap_servers, kafka.input_topic) as plain, \
+            OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
+        plain.enqueue("first", features=one)
+        plain.flush()
+        assert outputs.query("first", timeout=60) is not None
+        with atomic.transaction():
+            atomic.enqueue_batch([("kept-1", {"features": one}), ("kept-2", {"features": one})])
+            assert outputs.query("kept-1", timeout=3) is None, "a request of an open transaction was served"
+        with pytest.raises(KeyError), atomic.transaction():
+            atomic.enqueue("dropped", features=one)
+            atomic.flush()
+            raise KeyError("the writer changes its mind")
+        plain.enqueue("after", features=one)
+        plain.flush()
+        results = collect(outputs, 0, 60, uris={"kept-1", "kept-2", "after"})
+        assert {"kept-1", "kept-2", "after"} <= results.keys()
+        assert "dropped" not in results | outputs.dequeue()
+        with pytest.raises(RuntimeError, match="transaction"):
+            atomic.enqueue("outside", features=one)

@@ -19,7 +19,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from confluent_kafka import (
@@ -150,7 +151,8 @@ class InputQueue:
 
     Other keywords are Kafka settings with underscores for dots (`security_protocol`,
     `sasl_mechanism`, `sasl_username`, `linger_ms`, ...), for its librdkafka producer and the
-    queue-full guard's reader."""
+    queue-full guard's reader. With `transactional_id`, requests go in transactions
+    (`with queue.transaction(): ...`), each seen by the job whole once committed, or never."""
 
     def __init__(
         self,
@@ -178,6 +180,8 @@ class InputQueue:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._refused: str | None = None  # why the broker refuses this client, once it has
         settings = {**PRODUCER_SETTINGS, **keyword_settings(kafka)}
+        if "transactional.id" in settings:  # librdkafka wants a transaction to outlive a record's delivery
+            settings.setdefault("transaction.timeout.ms", settings.get("delivery.timeout.ms", settings["message.timeout.ms"]))
         self._bootstrap_servers = bootstrap_servers
         self._message_timeout_ms = settings.get("delivery.timeout.ms", settings["message.timeout.ms"])
         self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
@@ -186,6 +190,8 @@ class InputQueue:
         )))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
         self._closed = False
+        self._transactional = "transactional.id" in settings
+        self._transactions_ready = self._in_transaction = False
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
         self.max_lag, self.when_full, self.block_timeout_s = max_lag, when_full, block_timeout_s
@@ -287,6 +293,32 @@ class InputQueue:
     def _check_not_sync(self) -> None:
         if self._producer is None:
             raise RuntimeError("this InputQueue was made with sync=True: use predict(), not enqueue()")
+        if self._transactional and not self._in_transaction:
+            raise RuntimeError("this InputQueue has a transactional_id: enqueue inside `with queue.transaction():`")
+
+    @contextmanager
+    def transaction(self, timeout: float = 60.0) -> Iterator[None]:
+        """The requests enqueued in the block are committed together when it ends, or aborted
+        if it raises: the job (reading committed records only) serves all of them, or none.
+        Needs a queue made with `transactional_id` (Kafka's transactional.id, one per writer)."""
+        if self._producer is None or not self._transactional:
+            raise RuntimeError("transaction() needs an InputQueue made with transactional_id=... (and not sync=True)")
+        if not self._transactions_ready:
+            self._producer.init_transactions(timeout)
+            self._transactions_ready = True
+        self._producer.begin_transaction()
+        self._in_transaction = True
+        try:
+            yield
+            self.flush(timeout)
+        except BaseException:
+            self._failed = []
+            self._producer.abort_transaction(timeout)
+            raise
+        else:
+            self._producer.commit_transaction(timeout)
+        finally:
+            self._in_transaction = False
 
     def lag(self) -> int:
         """The job's lag on the input topic, as last measured (at most LAG_CHECK_EVERY_S old)."""

@@ -32,8 +32,11 @@ RESULT_RECORD = Types.ROW_NAMED(["key", "value", "headers"], [Types.PRIMITIVE_AR
 
 # New partitions of the input topic are picked up within 10 s (the connector's default: never).
 # Fetches of up to 8 MiB per partition: the default 1 MiB holds 21 requests of 48 KiB, and the
-# task thread, busy with a batch's inference, came back to a nearly empty fetch queue.
-SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.fetch.bytes": str(8 << 20)}
+# task thread, busy with a batch's inference, came back to a nearly empty fetch queue. Requests
+# written in a Kafka transaction (InputQueue.transaction, an exactly-once upstream job) are served
+# once it commits and never if it aborts, as Kafka Streams reads under exactly-once.
+SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.fetch.bytes": str(8 << 20),
+                     "isolation.level": "read_committed"}
 # Results of a few milliseconds go to the broker in one request (as librdkafka's linger of 5 ms and
 # batches up to 1 MB do): the producer's default 16 KiB batch holds only ~150 small results, and a
 # request per millisecond cost the producer's thread and the broker, on the job's cores, more than
