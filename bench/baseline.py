@@ -11,7 +11,7 @@ them with the job's session settings (provider, threads, no spinning) in runs of
 TOPIC without waiting for delivery. It runs until stopped; the benchmark times it by TOPIC's end
 offsets. Two clients, as users pick them:
 - `librdkafka` (confluent-kafka): a consumer group, `consume(batch_size)`, `produce` + `poll(0)`,
-  librdkafka's defaults with `linger.ms` 5;
+  librdkafka's defaults with `linger.ms` 5 and `fetch.queue.backoff.ms` 10;
 - `kafka-python`: the same loop; it takes the topic's partitions itself, in no consumer group:
   kafka-python 3.0.12's group consumer twice spun for good (100% CPU in
   ensure_coordinator_ready, seen with py-spy) partway through a backlog.
@@ -45,8 +45,10 @@ def librdkafka_records(config: ServingConfig, topic: str) -> tuple[Iterator[Reco
     from confluent_kafka import Consumer, Producer
 
     kafka = config.kafka
+    # librdkafka's defaults but one, which its docs suggest lowering when a consumer sees ~1 s delays:
+    # after each 100,000 records queued it stopped fetching for a second (docs/benchmarks.md).
     consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"plain-loop-{topic}",
-                         "auto.offset.reset": "earliest"})
+                         "auto.offset.reset": "earliest", "fetch.queue.backoff.ms": 10})
     consumer.subscribe([topic])
     producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": LINGER_MS,
                          "message.max.bytes": KAFKA_RECORD_BYTES})

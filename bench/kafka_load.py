@@ -18,7 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, Top
 
 from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.kafka.librdkafka import fetched, gc_paused, topic_partitions
+from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, fetched, gc_paused, topic_partitions
 from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.open_inference import decode_answer
 
@@ -60,6 +60,7 @@ class ResultReader:
     def __init__(self, bootstrap_servers: str, topic: str, from_end: bool = False):
         self.bootstrap_servers, self.topic = bootstrap_servers, topic
         self.consumer = Consumer({
+            **CONSUMER_DEFAULTS,
             "bootstrap.servers": bootstrap_servers, "group.id": "cs-bench-reader", "enable.auto.commit": False,
             # As kafka-python reads by default, and as the bench read before it moved to librdkafka.
             "isolation.level": "read_uncommitted",

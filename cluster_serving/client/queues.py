@@ -37,6 +37,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from cluster_serving.config import KAFKA_RECORD_BYTES, defaults
 from cluster_serving.kafka.admin import READ_COMMITTED, LagProbe
 from cluster_serving.kafka.librdkafka import (
+    CONSUMER_DEFAULTS,
     client_settings,
     committed_offsets,
     fetched,
@@ -100,6 +101,7 @@ NAMED_FAILURES = 5
 # Requests of enqueue_batch encoded together when alike (connectors.inputs.encode_alike_requests).
 ENCODE_TOGETHER = 256
 CONSUMER_SETTINGS = {
+    **CONSUMER_DEFAULTS,
     "enable.auto.commit": False,
     "auto.offset.reset": "earliest",
     "isolation.level": READ_COMMITTED,

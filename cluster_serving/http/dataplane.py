@@ -39,6 +39,7 @@ from cluster_serving.http.metrics import BridgeMetrics
 from cluster_serving.http.result_waiter import ResultWaiter
 from cluster_serving.kafka.admin import READ_COMMITTED, broker_reachable, ensure_topics
 from cluster_serving.kafka.clients import RequestProducer, librdkafka_settings
+from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS
 from cluster_serving.net.flink_rest import FlinkRest
 from cluster_serving.wire.codec import Message
 from cluster_serving.wire.inputs import deadline_headers, encode_request
@@ -103,7 +104,7 @@ class Bridge:
         kafka = self.config.kafka
         producer.connect(kafka.input_topic, CONNECT_TIMEOUT_S)
         self.waiter = ResultWaiter(
-            librdkafka_settings(kafka, **{"isolation.level": READ_COMMITTED}),
+            librdkafka_settings(kafka, **{**CONSUMER_DEFAULTS, "isolation.level": READ_COMMITTED}),
             kafka.result_topic, self.uri_prefix, self.metrics.count_late_result,
         )
         self.waiter.start(loop, CONNECT_TIMEOUT_S)

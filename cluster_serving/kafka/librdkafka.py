@@ -23,6 +23,11 @@ COORDINATOR_RETRY_S = 0.1
 # The broker answers but will not take this client: its credentials or its TLS settings.
 REFUSED = {KafkaError._AUTHENTICATION, KafkaError._SSL}
 REFUSED_THIS_CLIENT = "refused this client"
+# What the project's consumers of records are made with, before the user's properties. librdkafka
+# stops fetching a partition for fetch.queue.backoff.ms (1 s by default) once queued.min.messages
+# (100,000) wait in its local queue: a reader of a backlog then sat idle most of a second each
+# time it had read that many (docs/benchmarks.md, "A plain loop's pause").
+CONSUMER_DEFAULTS = {"fetch.queue.backoff.ms": 10}
 COORDINATOR_NOT_READY = {
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
 }
