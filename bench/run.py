@@ -20,8 +20,8 @@ requests), all measured in this run on this machine:
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
    results (so the client's own decoding speed is not in the figure; from the one past a warm-up
    share of the backlog to the last): its capacity right after start; then capacity = the rate
-   at which the running job drains a second backlog as large, written in one transaction while
-   it serves (see running_drain), and its serving stage alone over that backlog, from the
+   at which the running job drains the last of RUNNING_DRAINS backlogs as large, each written in
+   one transaction while it serves (see running_drain), and its serving stage alone over it, from the
    time each result says its batch took; then latency (send -> result read) of requests paced
    at half that capacity (or --rate) for --latency-seconds, after 30 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
@@ -101,8 +101,9 @@ LATENCY_LOAD = 0.5
 LATENCY_SECONDS = 10.0
 LATENCY_WARMUP_S = 30.0
 LATENCY_MIN_REQUESTS = 100
-# Backlogs written while the job runs, drained one after another; the last one's rate is its capacity.
-RUNNING_DRAINS = 2
+# Backlogs written while the job runs, drained one after another; the last one's rate is its capacity:
+# the JIT goes on making the job faster over the first few (docs/benchmarks.md).
+RUNNING_DRAINS = 4
 # A running drain's rest, after its backlog is written, is timed only when it takes at least this
 # long: a shorter one can be a burst of results appended as the writer finished (docs/benchmarks.md).
 SHORTEST_TIMED_DRAIN_S = 0.25
@@ -217,8 +218,8 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
                   samples: np.ndarray, uris: list[str], protocol: str = "native") -> tuple[float, bool, float]:
     """(capacity, a lower bound only, microseconds of the job's CPU per request): the running
     job's drain rate, and the CPU its processes (Python and the Flink JVM, all their threads) used
-    from the first write of the backlog to its last result. A second backlog goes on the input
-    topic through enqueue_batch in one Kafka transaction while the job serves: the job, reading
+    from the first write of the backlog to its last result. The backlog goes on the input topic
+    through enqueue_batch in one Kafka transaction while the job serves: the job, reading
     committed requests only, meets all of it at once when it commits, however slow the writer,
     and is timed like the first drain from then. Should the drain take less than
     SHORTEST_TIMED_DRAIN_S, it is too short to time: the figure is then the whole backlog over the
