@@ -16,7 +16,7 @@ import confluent_kafka.admin
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaConfigurationError, KafkaError, TopicAlreadyExistsError
 
 from cluster_serving.config import KAFKA_RECORD_BYTES, ConfigError, KafkaConfig
 from cluster_serving.kafka.connection import KafkaConnection
@@ -117,6 +117,8 @@ def kafka_answers(bootstrap_servers: str, timeout_s: float = 2.0, **properties: 
     a broker to use only if this holds (`start --local-broker` with the port taken)."""
     try:
         admin = quiet_admin_client(timeout_s, bootstrap_servers=bootstrap_servers, **properties)
+    except KafkaConfigurationError as exc:  # the config's mistake, not the broker's
+        raise ConfigError(f"kafka.properties: kafka-python, which sets up the topics, refuses them: {exc.args[0] if exc.args else exc}") from None
     except KafkaError:
         return False
     admin.close()
