@@ -240,10 +240,13 @@ def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first
     tmp_path, write_config, start_job
 ) -> None:
     """At least once: requests read again after the restore are served again, but by the same
-    version as before the kill, because the switch is a position in the request log."""
+    version as before the kill, because the switch is a position in the request log. Checkpoints
+    5 s apart, so that the kill rarely falls just after one: with 1 s, one CI run (2026-11-27)
+    read nothing again."""
     root = tmp_path / "models"
     scale_model(root / "scale" / "1" / "model.onnx", 2.0)
-    path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5})
+    path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5},
+                                flink={"checkpoint_interval_ms": 5000})
     first = start_job(path, config)
     inputs, _ = queues(config)
     with inputs:
