@@ -104,8 +104,8 @@ LATENCY_MIN_REQUESTS = 100
 # Backlogs written while the job runs, drained one after another; the last one's rate is its capacity:
 # the JIT goes on making the job faster over the first few (docs/benchmarks.md).
 RUNNING_DRAINS = 4
-# A running drain's rest, after its backlog is written, is timed only when it takes at least this
-# long: a shorter one can be a burst of results appended as the writer finished (docs/benchmarks.md).
+# A running drain is timed only when it takes at least this long: a shorter one is a few bursts of
+# results (docs/benchmarks.md).
 SHORTEST_TIMED_DRAIN_S = 0.25
 # The restarted job's paced phase: its latency in windows of this length.
 FIRST_MINUTE_S = 60.0
@@ -224,7 +224,7 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     and is timed like the first drain from then. Should the drain take less than
     SHORTEST_TIMED_DRAIN_S, it is too short to time: the figure is then the whole backlog over the
     time from its first write to its last result, a lower bound set by the writer."""
-    progress(model.name, f"a second backlog of {len(uris)} requests{'' if protocol == 'native' else ' in ' + protocol},"
+    progress(model.name, f"a backlog of {len(uris)} requests{'' if protocol == 'native' else ' in ' + protocol},"
                          " written in one transaction while the job runs ...")
     before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
     enqueue_batch_all(config, uris, model.input_name, samples, protocol, transactional_id=f"cs-bench-{model.name}")

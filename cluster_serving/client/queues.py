@@ -182,17 +182,17 @@ class InputQueue:
             raise ValueError("sync=True needs frontend_url, the HTTP bridge's address")
         self._refused: str | None = None  # why the broker refuses this client, once it has
         settings = {**PRODUCER_SETTINGS, **keyword_settings(kafka)}
-        if "transactional.id" in settings:  # librdkafka wants a transaction to outlive a record's delivery
-            settings.setdefault("transaction.timeout.ms", settings.get("delivery.timeout.ms", settings["message.timeout.ms"]))
         self._bootstrap_servers = bootstrap_servers
         self._message_timeout_ms = settings.get("delivery.timeout.ms", settings["message.timeout.ms"])
+        self._transactional = "transactional.id" in settings
+        if self._transactional:  # librdkafka wants a transaction to outlive a record's delivery
+            settings.setdefault("transaction.timeout.ms", self._message_timeout_ms)
         self._producer = None if sync else refused_as_value_error(lambda: Producer(client_settings(
             bootstrap_servers, settings,
             log, "requests wait in the producer until one is back", refused=self._refuse, on_delivery=self._not_delivered,
         )))
         self._failed: list[tuple[str, str]] = []  # (uri, why), since the last flush
         self._closed = False
-        self._transactional = "transactional.id" in settings
         self._transactions_ready = self._in_transaction = False
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}, got {when_full!r}")
