@@ -165,3 +165,26 @@ def test_images_of_one_size_come_alike_and_are_read_one_by_one(jvm) -> None:
     assert batch.alike is None and batch.rejected == [] and batch.size == 3
     expected = [(f"i{i}", {"image": EncodedImage(data)}) for i, data in enumerate(files)]
     assert [(m.uri, m.tensors) for m in batch.instances] == [(m.uri, m.tensors) for m in alone.instances] == expected
+
+
+def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchServer) -> None:
+    """Full batches the JVM joined into one frame (job/batch.py) run in runs of batch_size, and each
+    result says the batch it ran in; the results match the per-request way."""
+    batch_size = server.config.batching.batch_size
+    records = requests(3 * batch_size, seed=5)
+    model = server.servables.resolve("", "")[0].pools[1].first
+    runs = []
+    run_columns = model.run_columns
+    model.run_columns = lambda tensors, run_size: runs.append(run_size) or run_columns(tensors, run_size)
+    try:
+        batch = decode_frame(jvm_frame(jvm, records), load_config().limits)
+        outcomes, stats = server.serve_batch(batch)
+    finally:
+        model.run_columns = run_columns
+    assert runs == [batch_size] and (stats.size, stats.batches) == (3 * batch_size, 3)
+    results = results_of(read_result_frame(server.serve_frame(jvm_frame(jvm, records))))
+    singly = results_of(read_result_frame(server.serve_frame(write_batch_frame("", "", records))))
+    assert results.keys() == singly.keys() == {uri for uri, _ in records}
+    for uri, result in results.items():
+        assert result.error is None and result.batch_size == batch_size
+        np.testing.assert_array_equal(result.tensors["probabilities"], singly[uri].tensors["probabilities"])

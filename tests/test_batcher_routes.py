@@ -11,6 +11,7 @@ import pytest
 from cluster_serving.wire.codec import MAX_URI_CHARS
 
 from cluster_serving.runtime.frames import (
+    ALIKE,
     BATCH,
     CONTROL,
     DRAIN,
@@ -217,7 +218,7 @@ def test_operator_rejects_a_malformed_table(jvm) -> None:
     from py4j.protocol import Py4JJavaError
 
     with pytest.raises(Py4JJavaError, match="IllegalArgumentException"):
-        jvm.MicroBatchOperator("not a table", 1000, MAX_URI_CHARS, 1 << 20)
+        jvm.MicroBatchOperator("not a table", 1000, MAX_URI_CHARS, 1 << 20, 1, 0)
 
 
 def test_batches_per_route_and_control_records(env) -> None:
@@ -256,7 +257,7 @@ def test_batches_per_route_and_control_records(env) -> None:
         # end of input: what waits is flushed, b before b/1
     ]
     requests = env.from_collection(rows, type_info=REQUEST_ROW)
-    frames = micro_batches(requests, first, 1 << 20, max_batch_bytes=1000)
+    frames = micro_batches(requests, first, 1 << 20, max_batch_bytes=1000, max_joined_batches=1)
     seen, sources = [], {}
     with frames.execute_and_collect("batcher-routes") as results:
         for frame in results:
@@ -282,6 +283,36 @@ def test_batches_per_route_and_control_records(env) -> None:
         (DRAIN,),  # the end of the input: Python answers whatever it holds
     ]
     assert sources == {row[0]: Source(2, row[6], row[7]) for row in rows if not row[4]}
+
+
+def test_full_batches_ready_at_once_share_a_frame(env) -> None:
+    """With max_delay_ms 0, full batches of alike requests read back to back go as one "A" frame
+    of whole batches (at most MAX_JOINED_BATCHES), the rest as frames of at most batch_size; requests
+    that are not alike never share a frame beyond batch_size."""
+    import numpy as np
+    from pyflink.common import Row
+
+    from cluster_serving.job.batch import MAX_JOINED_BATCHES, REQUEST_ROW, micro_batches
+    from cluster_serving.wire.codec import Message, encode_message
+
+    routes = table(100, "a", ("a", 2, 0, "1"), ("b", 2, 0, "1"))
+    alike = [Row(f"a{i}", encode_message(Message(f"a{i}", {"x": np.full(4, i, np.float32)})), "a", None, False, 0, i, None)
+             for i in range(64)]
+    other = [Row(f"b{i}", b"x" * (i + 1), "b", None, False, 0, 100 + i, None) for i in range(9)]
+    requests = env.from_collection(alike + other, type_info=REQUEST_ROW)
+    frames = []
+    with micro_batches(requests, routes, 1 << 20).execute_and_collect("joined-batches") as results:
+        for frame in results:
+            parsed = read_frame(bytes(b & 0xFF for b in frame))
+            if not parsed.is_control and parsed.kind not in (POLL, DRAIN):
+                uris = list(parsed.alike.uris) if parsed.alike is not None else [uri for uri, _ in parsed.records]
+                frames.append((parsed.model, parsed.kind, uris))
+    assert [uri for model, _, uris in frames if model == "a" for uri in uris] == [f"a{i}" for i in range(64)]
+    assert [uri for model, _, uris in frames if model == "b" for uri in uris] == [f"b{i}" for i in range(9)]
+    joined = [uris for model, kind, uris in frames if len(uris) > 2]
+    assert joined, "no full batches were joined"
+    for model, kind, uris in frames:
+        assert len(uris) <= 2 or (model, kind) == ("a", ALIKE) and len(uris) % 2 == 0 and len(uris) <= 2 * MAX_JOINED_BATCHES
 
 
 def test_python_table_text_parses_in_the_jvm(jvm) -> None:

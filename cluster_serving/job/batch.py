@@ -25,6 +25,11 @@ from cluster_serving.wire.codec import MAX_URI_CHARS
 # A batch is flushed early once its requests add up to this many bytes, so that one frame stays a
 # few of the largest requests (KAFKA_RECORD_BYTES each), not batch_size of them.
 MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
+# With max_delay_ms 0, full batches of a route that are ready at once go to Python in one frame,
+# up to this many and these many bytes: one Python call, decode and encode for all of them, while
+# the model still runs each batch on its own (runtime/serve.py). Large requests stay a batch a frame.
+MAX_JOINED_BATCHES = 8
+MAX_JOINED_BYTES = 256 << 10
 FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
 # What the Kafka source emits (KeyValueDeserializationSchema.java): the key as the uri, the value,
 # the `model` and `version` headers (None when absent or empty), whether it is a control record
@@ -38,16 +43,17 @@ REQUEST_ROW = Types.ROW_NAMED(
 
 
 def micro_batches(requests: DataStream, table_text: str, max_instance_bytes: int,
-                  max_batch_bytes: int = MAX_BATCH_BYTES) -> DataStream:
+                  max_batch_bytes: int = MAX_BATCH_BYTES, max_joined_batches: int = MAX_JOINED_BATCHES) -> DataStream:
     """REQUEST_ROW requests -> one frame per micro-batch of one route, a control frame first and at
     every newer table (cluster_serving/runtime/frames.py read_frame). `table_text` is the routing table the job starts
     with; one restored from a checkpoint wins when its generation is newer. A malformed table
     raises here (py4j's error around the JVM's IllegalArgumentException). A batch of alike
     requests goes as one "A" frame when they are within the limits Python holds each to
     (MAX_URI_CHARS, `max_instance_bytes`), else as a "B" frame, where the ones over them get
-    their error results."""
+    their error results. Full batches ready at once may share a frame (MAX_JOINED_BATCHES;
+    `max_joined_batches` 1: never)."""
     batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(
-        table_text, max_batch_bytes, MAX_URI_CHARS, max_instance_bytes)
+        table_text, max_batch_bytes, MAX_URI_CHARS, max_instance_bytes, max_joined_batches, MAX_JOINED_BYTES)
     return DataStream(requests._j_data_stream.transform("micro-batch", FRAME.get_java_type_info(), batcher))
 
 

@@ -96,8 +96,9 @@ class ServeBatch(MapFunction):
         if key not in self.per_version:
             self.per_version[key] = self._meters(self.metrics.add_group("model", stats.model).add_group("version", str(stats.version)))
         for sizes, times, errors, served in (self.per_version[key], self.totals):
-            sizes.update(stats.size)
-            times.update(stats.elapsed_us)
+            for _ in range(stats.batches):
+                sizes.update(stats.size // stats.batches)
+                times.update(stats.elapsed_us // stats.batches)
             add(errors, stats.failed)
             served.inc(stats.size)
 

@@ -10,7 +10,7 @@ from itertools import chain
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.runtime.frames import AlikeResults, DeadLetter, UriBlock, write_frame
 from cluster_serving.runtime.outcomes import Outcome, Rows
-from cluster_serving.wire.codec import MAX_URI_CHARS, Message, Served, carries, encode_message, encode_rows, stacked_rows
+from cluster_serving.wire.codec import MAX_URI_CHARS, Message, carries, encode_message, encode_rows, stacked_rows
 from cluster_serving.wire.open_inference import OipRequest, encode_answer
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,7 @@ def alike_results(rows: Rows) -> AlikeResults | None:
     an output format 2 cannot carry, or results that may be over the record limit."""
     if not rows.uris or not rows.outputs or not carries(rows.outputs):
         return None
-    tail, row_size, values = stacked_rows(
-        rows.outputs, Served(len(rows.uris), rows.inference_us, rows.model, rows.model_version))
+    tail, row_size, values = stacked_rows(rows.outputs, rows.served)
     if 16 + 4 * MAX_URI_CHARS + len(tail) + row_size > MAX_RESULT_BYTES:
         return None
     return AlikeResults(UriBlock.of(rows.uris), tail, row_size, values)
@@ -77,10 +76,7 @@ def encode_outcomes(outcomes: list[Outcome], answers: dict[str, OipRequest]) -> 
             yield outcome.uri, encode_result(outcome) if request is None else encode_oip_answer(request, outcome)
             continue
         try:
-            payloads = encode_rows(
-                outcome.uris, outcome.outputs,
-                Served(len(outcome.uris), outcome.inference_us, outcome.model, outcome.model_version),
-            )
+            payloads = encode_rows(outcome.uris, outcome.outputs, outcome.served)
         except ValueError:  # an output the format cannot carry: each request says so
             payloads = [encode_result(message) for message in outcome.messages()]
         for uri, payload in zip(outcome.uris, payloads):

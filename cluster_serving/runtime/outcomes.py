@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster_serving.wire.codec import DecodeError, Message, TooLarge
+from cluster_serving.wire.codec import DecodeError, Message, Served, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,20 @@ class Rows:
     inference_us: int | None = None
     model: str | None = None
     model_version: int | None = None
+    # The batches its rows were served in, each of this many, where the rows are several batches'
+    # (a frame of joined batches, job/batch.py); None: one batch of them all.
+    batch_size: int | None = None
+
+    @property
+    def served(self) -> Served:
+        """What each row's result says of how it was served."""
+        return Served(self.batch_size or len(self.uris), self.inference_us, self.model, self.model_version)
 
     def messages(self) -> list[Message]:
+        batch_size, inference_us, model, model_version = self.served
         return [
-            Message(uri, {name: value[i] for name, value in self.outputs.items()}, batch_size=len(self.uris),
-                    inference_us=self.inference_us, model=self.model, model_version=self.model_version)
+            Message(uri, {name: value[i] for name, value in self.outputs.items()}, batch_size=batch_size,
+                    inference_us=inference_us, model=model, model_version=model_version)
             for i, uri in enumerate(self.uris)
         ]
 

@@ -64,6 +64,8 @@ class BatchStats:
     size: int
     elapsed_us: int
     failed: int
+    # The batches it held: a frame of joined batches (job/batch.py) is served batch by batch.
+    batches: int = 1
 
 
 class BatchServer:
@@ -117,25 +119,30 @@ class BatchServer:
     def run(self, routed: Routed) -> tuple[list[Outcome], BatchStats]:
         """A routed batch's outcomes (its rejected requests' among them) and what it did."""
         batch, served, version = routed.batch, routed.served, routed.version
-        name, split = served.servable.name, SplitRequests()
+        name, split, batching = served.servable.name, SplitRequests(), served.servable.batching
+        # A frame of more than batch_size requests holds joined full batches (job/batch.py): each is run as its own.
+        batches = -(-batch.size // batching.batch_size)
         started = time.perf_counter()
         if batch.alike is not None and self.serves_whole(served, version):
             size = len(batch.alike)
             with served.pools[version].instance() as model:
-                outcomes = predict_alike(model, batch.alike, served.servable.batching.run_batch_size)
+                outcomes = predict_alike(model, batch.alike, batching.run_batch_size or batching.batch_size)
         else:
             requests, refused = check_route(batch.requests(), batch.answers, name, version)
             instances, invalid, split = split_rows(requests, batch.answers, self.takes_rows(served, version))
             size = len(instances)
-            outcomes = self.serve(served, version, instances) + refused + invalid
+            parts = [instances[at:at + batching.batch_size] for at in range(0, size, batching.batch_size)] if batches > 1 else [instances]
+            outcomes = [outcome for part in parts for outcome in self.serve(served, version, part)] + refused + invalid
         elapsed_us = int((time.perf_counter() - started) * 1_000_000)
         for outcome in outcomes:
             outcome.model, outcome.model_version = name, version
             if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
-                outcome.inference_us = elapsed_us
+                outcome.inference_us = elapsed_us // batches
+            if isinstance(outcome, Rows) and len(outcome.uris) > batching.batch_size:
+                outcome.batch_size = batching.batch_size
         outcomes = gather_rows(outcomes, split, batch.answers)
         failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
-        return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed)
+        return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed, batches)
 
     def adopt(self, text: str) -> None:
         """Opens and closes models as a routing table's text says."""

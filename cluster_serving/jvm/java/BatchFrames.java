@@ -61,8 +61,14 @@ public final class BatchFrames {
      */
     public static byte[] encodeBatch(String model, String version, List<Row> records, int maxUriChars,
                                      long maxInstanceBytes) {
-        byte[] alike = encodeAlike("A" + model + "\t" + version, records, maxUriChars, maxInstanceBytes);
+        byte[] alike = encodeAlike(model, version, records, maxUriChars, maxInstanceBytes);
         return alike != null ? alike : encode("B" + model + "\t" + version, records);
+    }
+
+    /** The "A" frame of a batch of alike requests, as encodeBatch writes it; null when they are not alike. */
+    public static byte[] encodeAlike(String model, String version, List<Row> records, int maxUriChars,
+                                     long maxInstanceBytes) {
+        return alikeFrame("A" + model + "\t" + version, records, maxUriChars, maxInstanceBytes);
     }
 
     /** A poll frame ('P') or a drain frame ('D'). */
@@ -117,7 +123,7 @@ public final class BatchFrames {
     }
 
     /** The frame of alike requests (see the class comment), or null when they are not alike. */
-    private static byte[] encodeAlike(String headerText, List<Row> records, int maxUriChars, long maxInstanceBytes) {
+    private static byte[] alikeFrame(String headerText, List<Row> records, int maxUriChars, long maxInstanceBytes) {
         if (records.isEmpty()) {
             return null;
         }

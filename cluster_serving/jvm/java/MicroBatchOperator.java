@@ -96,6 +96,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     private final long maxBatchBytes;
     private final int maxUriChars;
     private final long maxInstanceBytes;
+    private final int maxJoinedBatches;
+    private final long maxJoinedBytes;
     private transient RoutingTable table;
     private transient ListState<Row> checkpointed;
     private transient ListState<String> checkpointedTable;
@@ -113,14 +115,19 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     /**
      * Fails (IllegalArgumentException) on a malformed table: the job's own table must be one.
      * `maxUriChars` and `maxInstanceBytes`: the limits Python checks requests against, which a
-     * batch sent as alike requests (BatchFrames) must meet.
+     * batch sent as alike requests (BatchFrames) must meet. `maxJoinedBatches` and
+     * `maxJoinedBytes`: how many full batches of a route with no delay, and how many bytes of
+     * them, may go to Python in one frame (1: each batch its own).
      */
-    public MicroBatchOperator(String tableText, long maxBatchBytes, int maxUriChars, long maxInstanceBytes) {
+    public MicroBatchOperator(String tableText, long maxBatchBytes, int maxUriChars, long maxInstanceBytes,
+                              int maxJoinedBatches, long maxJoinedBytes) {
         RoutingTable.parse(tableText);
         this.tableText = tableText;
         this.maxBatchBytes = maxBatchBytes;
         this.maxUriChars = maxUriChars;
         this.maxInstanceBytes = maxInstanceBytes;
+        this.maxJoinedBatches = maxJoinedBatches;
+        this.maxJoinedBytes = maxJoinedBytes;
     }
 
     @Override
@@ -262,7 +269,8 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         batch.requests.add(request);
         batch.bytes += BatchFrames.payload(request).length;
         RoutingTable.Entry entry = table.entryFor(route.model);
-        if (batch.requests.size() >= entry.batchSize || batch.bytes >= maxBatchBytes) {
+        int size = batch.requests.size();
+        if (batch.bytes >= maxBatchBytes || size >= entry.batchSize && !joinsMore(entry, batch)) {
             emit(route, batch);
             pending.remove(route);
         } else if (entry.maxDelayMs == 0) {
@@ -271,6 +279,16 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
             batch.deadline = getProcessingTimeService().getCurrentProcessingTime() + entry.maxDelayMs;
             getProcessingTimeService().registerTimer(batch.deadline, this);
         }
+    }
+
+    /**
+     * Whether a route with no delay whose batch is full waits, with the input still ready, for more
+     * full batches to go to Python in the same frame: up to maxJoinedBatches of them and
+     * maxJoinedBytes, so that only small requests ride together and a frame of large ones is one batch.
+     */
+    private boolean joinsMore(RoutingTable.Entry entry, Batch batch) {
+        return entry.maxDelayMs == 0 && batch.requests.size() < entry.batchSize * maxJoinedBatches
+            && batch.bytes < maxJoinedBytes;
     }
 
     /**
@@ -335,10 +353,36 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         }
     }
 
+    /**
+     * Sends a route's batch: full batches joined (joinsMore) as one alike frame of whole batches,
+     * which Python serves batch by batch; the rest, and joined requests that are not alike, as
+     * frames of at most the route's batch size.
+     */
     private void emit(Route route, Batch batch) {
-        byte[] frame = BatchFrames.encodeBatch(route.model, route.version, batch.requests, maxUriChars, maxInstanceBytes);
+        List<Row> requests = batch.requests;
+        int batchSize = table.entryFor(route.model).batchSize;
+        int whole = requests.size() / batchSize * batchSize;
+        int from = 0;
+        if (whole > batchSize) {
+            byte[] joined = BatchFrames.encodeAlike(route.model, route.version, requests.subList(0, whole), maxUriChars, maxInstanceBytes);
+            if (joined != null) {
+                sendBatch(route, new ArrayList<>(requests.subList(0, whole)), joined);
+                from = whole;
+            }
+        }
+        if (from == 0 && requests.size() <= batchSize) {
+            sendBatch(route, requests, BatchFrames.encodeBatch(route.model, route.version, requests, maxUriChars, maxInstanceBytes));
+            return;
+        }
+        for (; from < requests.size(); from += batchSize) {
+            List<Row> part = new ArrayList<>(requests.subList(from, Math.min(from + batchSize, requests.size())));
+            sendBatch(route, part, BatchFrames.encodeBatch(route.model, route.version, part, maxUriChars, maxInstanceBytes));
+        }
+    }
+
+    private void sendBatch(Route route, List<Row> requests, byte[] frame) {
         if (answered.attached) {
-            held.put(nextNumber, new Sent(route, batch.requests));
+            held.put(nextNumber, new Sent(route, requests));
         }
         nextNumber++;
         send(frame);
