@@ -6,7 +6,7 @@ batcher in Python cost a Python call and a state access per request, most of the
 keyed one a network exchange per request. Waiting requests are operator state, so a checkpoint
 taken while a batch is filling includes them: after a restore they are flushed, never lost with
 the offsets already committed. Each batch reaches Python as one frame (cluster_serving/runtime/frames.py) of one
-route; the routing table (cluster_serving/runtime/repository.py's table text) says each model's batching, and a
+route, or with other full batches of its route ready at once (MAX_JOINED_BATCHES); the routing table (cluster_serving/runtime/repository.py's table text) says each model's batching, and a
 control record of the input topic carrying a newer table switches to it at that point of the log
 (a control frame tells Python). Every parallel instance batches the partitions its source reads.
 The module also holds the other side of a batch's trip through Python: the JVM splitter of its

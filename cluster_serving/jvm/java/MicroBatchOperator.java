@@ -31,7 +31,9 @@ import org.slf4j.LoggerFactory;
  * (BatchFrames) per micro-batch of one route: at the route's batch size, maxBatchBytes of payload,
  * or the route's max delay after its first request waiting. A max delay of 0 waits for no request
  * not yet read: the batch goes once the input has nothing more ready (Triton's dynamic batcher
- * with no queue delay), so a burst already read is one batch, and a lone request goes at once.
+ * with no queue delay), so a burst already read is one batch, and a lone request goes at once;
+ * full batches of such a route read back to back go as one frame of whole batches (joinsMore),
+ * which Python runs batch by batch.
  * Python runs on this operator's thread (a fast model's batches too; a slow one's on threads of
  * its own, see below), so such a model is idle whenever a batch could go: requests that arrive
  * while it runs are read after, and batch together. Batch size and max delay
