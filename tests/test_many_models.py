@@ -241,8 +241,7 @@ def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first
 ) -> None:
     """At least once: requests read again after the restore are served again, but by the same
     version as before the kill, because the switch is a position in the request log. Checkpoints
-    5 s apart, so that the kill rarely falls just after one: with 1 s, one CI run (2026-11-27)
-    read nothing again."""
+    5 s apart, so that the kill seldom falls just after one and leaves requests to read again."""
     root = tmp_path / "models"
     scale_model(root / "scale" / "1" / "model.onnx", 2.0)
     path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5},
