@@ -127,9 +127,18 @@ class ResultReader:
             consumer.close()
 
     def read_until(self, uris: list[str], timeout: float) -> None:
-        """Reads until every uri has its result (or `timeout`). Each result is stamped as it comes
-        and decoded afterwards, so decoding does not delay the stamps of the ones behind it."""
-        missing = set(uris) - self.arrivals.keys()
+        """Reads until every uri has its result (or `timeout`)."""
+        self.read_pending(self.pending(uris), timeout)
+
+    def pending(self, uris: list[str]) -> set[str]:
+        """The uris without a result yet. Made before requests are sent when their latency is timed:
+        for the 2.4 million uris of a paced minute it took 0.4 s, while their first results waited."""
+        return set(uris) - self.arrivals.keys()
+
+    def read_pending(self, missing: set[str], timeout: float) -> None:
+        """Reads until every uri of `missing` (emptied meanwhile) has its result (or `timeout`). Each
+        result is stamped as it comes and decoded afterwards, so decoding does not delay the stamps
+        of the ones behind it."""
         received: list[tuple[float, Message]] = []
         deadline = time.monotonic() + timeout
         with gc_paused():

@@ -338,8 +338,9 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     stamps = context.Queue()
     sender = context.Process(target=paced_sender, args=(
         kafka.bootstrap_servers, kafka.input_topic, warmup + uris, model.input_name, samples, rate, stamps))
+    pending = reader.pending(warmup + uris)
     sender.start()
-    reader.read_until(warmup + uris, timeout=300 + len(warmup + uris) / rate)
+    reader.read_pending(pending, timeout=300 + len(warmup + uris) / rate)
     times, failed = stamps.get(timeout=60)
     sender.join()
     sent = dict(zip(uris, times[len(warmup):].tolist()))  # the timed ones; the warm-up's go first
