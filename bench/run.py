@@ -389,7 +389,7 @@ def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Na
     path = write_run_config(
         folder, model_path, bootstrap,
         batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms, "run_batch_size": run_batch_size},
-        flink={"parallelism": args.parallelism}, device=args.device, model={"threads": args.threads},
+        flink={"parallelism": args.parallelism, "jvm_options": args.jvm_options}, device=args.device, model={"threads": args.threads},
         kafka={"partitions": args.partitions}, **sections,
     )
     config = load_config(path)
@@ -606,6 +606,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parallelism", type=int, default=job.flink.parallelism)
     parser.add_argument("--partitions", type=int, default=job.kafka.partitions,
                         help="partitions of the input topics (the job's and the plain loops')")
+    parser.add_argument("--jvm-options", type=lambda text: text.split(), default=list(job.flink.jvm_options),
+                        help="the job's flink.jvm_options, space-separated: --jvm-options=-XX:TieredStopAtLevel=1")
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--run-batch-size", type=int,

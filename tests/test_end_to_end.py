@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import numpy as np
+import psutil
 import pytest
 from kafka import KafkaProducer
 
@@ -47,6 +48,18 @@ def test_bad_requests_get_error_results_and_others_still_run(write_config, start
     flink_log = "".join(log.read_text(errors="replace") for log in (path.parent / "log").glob("*.log"))
     for uri in ("wrong-shape", "wrong-name", "garbage"):
         assert f"uri={uri} " in flink_log, f"no log line names uri={uri}"
+
+
+def test_jvm_options_start_the_embedded_cluster(write_config, start_job) -> None:
+    """flink.jvm_options reach the embedded cluster's JVM, here with C1 as its only JIT compiler,
+    and the job serves as before."""
+    options = ["-XX:TieredStopAtLevel=1", "-Dcluster.serving.check=jvm-options"]
+    path, config = write_config(flink={"jvm_options": options})
+    job = start_job(path, config)
+    assert_served(config, 500, seed=7, timeout=120)
+    command_lines = [psutil.Process(pid).cmdline() for pid in process_group_members(job.process.pid)]
+    java = [line for line in command_lines if line and line[0].endswith("java")]
+    assert len(java) == 1 and set(options) <= set(java[0]), command_lines
 
 
 def listening_addresses(pids: set[int]) -> list[str]:

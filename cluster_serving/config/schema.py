@@ -86,6 +86,16 @@ File = Annotated[Path, BeforeValidator(_absolute)]
 # A path that may be left empty (None).
 OptionalFile = Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)]
 Numbers = Annotated[tuple[StrictFloat, ...], _none_is(())]
+
+
+def _jvm_option(value: Any) -> Any:
+    """PyFlink splits the embedded JVM's options at whitespace: one option per item, none inside."""
+    if isinstance(value, str) and (not value.startswith("-") or any(char.isspace() for char in value)):
+        raise ValueError(f"one JVM option per item, starting with '-' and without spaces, got {value!r}")
+    return value
+
+
+JvmOption = Annotated[str, StringConstraints(strict=True), AfterValidator(_jvm_option)]
 Dimension = Annotated[StrictInt, Field(ge=1, le=65536)]
 
 
@@ -150,6 +160,7 @@ class FlinkConfig(_Section):
     restart_delay_ms: StrictInt = Field(ge=0)
     # None listed: Flink's Kafka connector from the per-user cache (cluster_serving.jvm).
     jars: Annotated[tuple[File, ...], _none_is(())] = ()
+    jvm_options: Annotated[tuple[JvmOption, ...], _none_is(())] = ()
 
 
 class LimitsConfig(_Section):

@@ -159,6 +159,8 @@ def preflight(config: ServingConfig) -> Repository:
                 f"flink.rest_port: 127.0.0.1:{port} is in use; stop what listens there "
                 "(`cluster-serving status` shows a running instance) or set another flink.rest_port"
             )
+    elif config.flink.jvm_options:
+        log.warning("flink.jvm_options are for the embedded cluster: under `flink run`, set the cluster's env.java.opts")
     repository_check(config, repository)
     ensure_topics(config.kafka)
     return repository
@@ -173,6 +175,9 @@ def prepare_process_environment(config: ServingConfig) -> str:
     # PyFlink starts a gRPC "loopback" worker pool on all interfaces ([::]) for local jobs, used
     # only by process mode. Thread mode never calls it; this (PyFlink's own switch) skips it.
     os.environ["_python_worker_execution_mode"] = "process"
+    # PyFlink starts the embedded cluster's JVM with JVM_ARGS (Flink's scripts' variable); ours follow the caller's.
+    if config.flink.jvm_options:
+        os.environ["JVM_ARGS"] = " ".join([os.environ.get("JVM_ARGS", ""), *config.flink.jvm_options]).strip()
     # Flink's own log (JobManager, TaskManager, Kafka clients) goes next to the config file, not
     # into the venv; an explicit FLINK_LOG_DIR wins.
     return os.environ.setdefault("FLINK_LOG_DIR", str(config.flink_log_dir))
