@@ -80,14 +80,6 @@ def _as_text(value: Any) -> Any:
     return {str(key): str(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
-Text = Annotated[str, StringConstraints(strict=True, strip_whitespace=True, min_length=1)]
-Texts = Annotated[tuple[Text, ...], _none_is(())]
-File = Annotated[Path, BeforeValidator(_absolute)]
-# A path that may be left empty (None).
-OptionalFile = Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)]
-Numbers = Annotated[tuple[StrictFloat, ...], _none_is(())]
-
-
 def _jvm_option(value: Any) -> Any:
     """PyFlink splits the embedded JVM's options at whitespace: one option per item, none inside."""
     if isinstance(value, str) and (not value.startswith("-") or any(char.isspace() for char in value)):
@@ -95,6 +87,12 @@ def _jvm_option(value: Any) -> Any:
     return value
 
 
+Text = Annotated[str, StringConstraints(strict=True, strip_whitespace=True, min_length=1)]
+Texts = Annotated[tuple[Text, ...], _none_is(())]
+File = Annotated[Path, BeforeValidator(_absolute)]
+# A path that may be left empty (None).
+OptionalFile = Annotated[Path | None, BeforeValidator(lambda value, info: _absolute(value, info) if value else None)]
+Numbers = Annotated[tuple[StrictFloat, ...], _none_is(())]
 JvmOption = Annotated[str, StringConstraints(strict=True), AfterValidator(_jvm_option)]
 Dimension = Annotated[StrictInt, Field(ge=1, le=65536)]
 
