@@ -336,11 +336,12 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     since = end_offsets(kafka.bootstrap_servers, kafka.input_topic)
     context = multiprocessing.get_context("spawn")
     stamps = context.Queue()
+    requests = warmup + uris
     sender = context.Process(target=paced_sender, args=(
-        kafka.bootstrap_servers, kafka.input_topic, warmup + uris, model.input_name, samples, rate, stamps))
-    pending = reader.pending(warmup + uris)
+        kafka.bootstrap_servers, kafka.input_topic, requests, model.input_name, samples, rate, stamps))
+    pending = reader.pending(requests)
     sender.start()
-    reader.read_pending(pending, timeout=300 + len(warmup + uris) / rate)
+    reader.read_pending(pending, timeout=300 + len(requests) / rate)
     times, failed = stamps.get(timeout=60)
     sender.join()
     sent = dict(zip(uris, times[len(warmup):].tolist()))  # the timed ones; the warm-up's go first
