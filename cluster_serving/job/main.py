@@ -76,10 +76,10 @@ def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Conf
         "python.execution-mode": "thread",
         "python.executable": sys.executable,
         "python.client.executable": sys.executable,
-        # Large bundles: more throughput per Python call. The bundle time is tied to max_delay_ms;
-        # in thread mode it does not bound a batch's wait.
+        # In thread mode a bundle's end does nothing, but the operator still checks for it on a
+        # timer every bundle.time ms, each check a mail that wakes the task thread: once a minute.
         "python.fn-execution.bundle.size": "1000",
-        "python.fn-execution.bundle.time": str(max(1, config.batching.max_delay_ms)),
+        "python.fn-execution.bundle.time": "60000",
         # Records cross a network exchange when a buffer fills or this timeout passes (Flink's
         # default 100 ms): a short one keeps a trickle of requests from waiting for full buffers.
         "execution.buffer-timeout.interval": "5 ms",
