@@ -168,7 +168,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
           for client in PLAIN_LOOP_CLIENTS),
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
-            f"the drains before it: {earlier_drains(m)})")),
+            f"median of the last {m['settled_drains']} of its drains: {all_drains(m)})")),
         row("  right after start (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
         *(row(f"  the backlog in {protocol}, running (req/s)", lambda m, protocol=protocol: protocol_drain(m, protocol))
           for protocol in args.protocols),
@@ -203,10 +203,10 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
     ]
 
 
-def earlier_drains(model: dict[str, Any]) -> str:
-    """The running job's drains before the one its capacity is."""
-    rates = [f"{drain['capacity']:,.0f}" for drain in model["running_drains"][:-1]]
-    return ", ".join(rates) or "none"
+def all_drains(model: dict[str, Any]) -> str:
+    """The running job's drains in turn, a lower bound marked "at least"."""
+    return ", ".join(f"{'at least ' if drain['bound_by_writer'] else ''}{drain['capacity']:,.0f}"
+                     for drain in model["running_drains"])
 
 
 def plural(count: int, noun: str) -> str:

@@ -20,7 +20,7 @@ requests), all measured in this run on this machine:
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
    results (so the client's own decoding speed is not in the figure; from the one past a warm-up
    share of the backlog to the last): its capacity right after start; then capacity = the rate
-   at which the running job drains the last of RUNNING_DRAINS backlogs as large, each written in
+   at which the running job drains the last SETTLED_DRAINS of RUNNING_DRAINS backlogs as large (their median), each written in
    one transaction while it serves (see running_drain), and its serving stage alone over it, from the
    time each result says its batch took; then latency (send -> result read) of requests paced
    at half that capacity (or --rate) for --latency-seconds, after 30 s at that rate untimed;
@@ -101,9 +101,11 @@ LATENCY_LOAD = 0.5
 LATENCY_SECONDS = 10.0
 LATENCY_WARMUP_S = 30.0
 LATENCY_MIN_REQUESTS = 100
-# Backlogs written while the job runs, drained one after another; the last one's rate is its capacity:
-# the JIT goes on making the job faster over the first few (docs/benchmarks.md).
-RUNNING_DRAINS = 4
+# Backlogs written while the job runs, drained one after another; the median of the last
+# SETTLED_DRAINS is its capacity: the JIT goes on making the job faster over the first five or six
+# (docs/benchmarks.md).
+RUNNING_DRAINS = 8
+SETTLED_DRAINS = 3
 # A running drain is timed only when it takes at least this long: a shorter one is a few bursts of
 # results (docs/benchmarks.md).
 SHORTEST_TIMED_DRAIN_S = 0.25
@@ -221,22 +223,21 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     from the first write of the backlog to its last result. The backlog goes on the input topic
     through enqueue_batch in one Kafka transaction while the job serves: the job, reading
     committed requests only, meets all of it at once when it commits, however slow the writer,
-    and is timed like the first drain from then. Should the drain take less than
+    and is timed from the first of its results to the last. Should the drain take less than
     SHORTEST_TIMED_DRAIN_S, it is too short to time: the figure is then the whole backlog over the
     time from its first write to its last result, a lower bound set by the writer."""
     progress(model.name, f"a backlog of {len(uris)} requests{'' if protocol == 'native' else ' in ' + protocol},"
                          " written in one transaction while the job runs ...")
     before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
     enqueue_batch_all(config, uris, model.input_name, samples, protocol, transactional_id=f"cs-bench-{model.name}")
-    committed = reader.written()
     end = before + len(uris)
     if not reader.wait_for(end, lambda: job.running, DRAIN_TIMEOUT_S):
         raise no_results(job, end)
     whole = len(uris) / (time.perf_counter() - started)
     cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
-    rate = reader.drain_rate(committed, end)
+    rate = reader.drain_rate(before, end)
     reader.read_until(uris, timeout=300)
-    timed = not math.isnan(rate) and (end - committed) / rate >= SHORTEST_TIMED_DRAIN_S
+    timed = not math.isnan(rate) and len(uris) / rate >= SHORTEST_TIMED_DRAIN_S
     return (rate, False, cpu_us) if timed else (whole, True, cpu_us)
 
 
@@ -432,12 +433,13 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         progress(model.name, "OutputQueue.dequeue reading the results ...")
         dequeued = dequeue_rate(config, len(warmup) + len(backlog))
         # The first drain of a backlog written while the job runs comes 20-30 s into its JVM's life,
-        # while C2 still compiles; the last of RUNNING_DRAINS is the running job's capacity.
+        # while C2 still compiles.
         drains = []
         for drain in range(RUNNING_DRAINS):
             running = [f"running-{drain}-{i}" for i in range(len(backlog))]
             drains.append((running, *running_drain(config, reader, job, model, samples, running)))
-        running, capacity, writer_bound, cpu_us = drains[-1]
+        running, capacity, writer_bound, cpu_us = sorted(drains[-SETTLED_DRAINS:], key=lambda drain: drain[1])[
+            SETTLED_DRAINS // 2]
         # The same backlog in the peers' encodings (the client's protocol=, one instance a request);
         # tensors only: an image request is no OIP tensor.
         protocols = [] if model.images else args.protocols
@@ -472,6 +474,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "capacity_bound_by_writer": writer_bound,
         "running_drains": [{"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
                            for _, rate, bound, cpu in drains],
+        "settled_drains": SETTLED_DRAINS,
         "protocol_drains": {protocol: {"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
                             for protocol, (_, rate, bound, cpu) in protocol_drains.items()},
         "capacity_at_start": capacity_at_start,
