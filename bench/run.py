@@ -20,10 +20,11 @@ requests), all measured in this run on this machine:
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
    results (so the client's own decoding speed is not in the figure; from the one past a warm-up
    share of the backlog to the last): its capacity right after start; then capacity = the rate
-   at which the running job drains the last SETTLED_DRAINS of RUNNING_DRAINS backlogs as large (their median), each written in
-   one transaction while it serves (see running_drain), and its serving stage alone over it, from the
-   time each result says its batch took; then latency (send -> result read) of requests paced
-   at half that capacity, at most LATENCY_MAX_RATE (or --rate), for --latency-seconds, after 30 s at that rate untimed;
+   at which the running job drains backlogs as large, the median of the last SETTLED_DRAINS of
+   RUNNING_DRAINS, each written in one transaction while it serves (see running_drain), and its
+   serving stage alone over it, from the time each result says its batch took; then latency
+   (send -> result read) of requests paced at half that capacity, at most LATENCY_MAX_RATE (or
+   --rate), for --latency-seconds, after 30 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
    cores to the job, and the job's share is told apart by the broker's append times;
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
@@ -597,7 +598,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="length of the paced phase of the job started again, timed from its start "
                              f"(latency per {FIRST_MINUTE_WINDOW_S:g} s; 0: none)")
     parser.add_argument("--rate", type=float, help="requests per second of the paced phase "
-                                                   "(default: half the capacity measured in this run, at most 40,000)")
+                                                   f"(default: half the capacity measured in this run, at most {LATENCY_MAX_RATE:,.0f})")
     parser.add_argument("--http-clients", type=client_counts, default=[1, 8, 32], help="client counts, e.g. 1,8,32")
     parser.add_argument("--http-seconds", type=float, default=HTTP_SECONDS,
                         help=f"length of each HTTP phase, after {HTTP_WARMUP_S:g} s at its client count untimed")
