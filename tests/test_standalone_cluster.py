@@ -1,5 +1,5 @@
 """The serving job on a standalone Flink cluster, as a user runs one: `cluster-serving cluster up`
-(the pip-installed PyFlink's start-cluster.sh), `submit` (`flink run -py`), `status`, `down`, as
+(the pip-installed PyFlink's start-cluster.sh), `submit` (`flink run -py`), `stop`, `status`, `down`, as
 opposed to the embedded MiniCluster of the other end-to-end tests."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import psutil
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.config import ServingConfig
+from cluster_serving.jvm import connector_jar
 from cluster_serving.ops.children import HttpBridge
 from cluster_serving.ops.cluster import StandaloneCluster
 from cluster_serving.ops.processes import free_port
@@ -48,6 +49,7 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
         submitted = cluster_command("submit", "--dir", str(folder), "-c", str(path))
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job_id = submitted.stdout.split()[1]
+        assert f", starting from the committed offsets of group {config.kafka.group_id}" in submitted.stdout
         assert cluster.rest.job(job_id)["state"] == "RUNNING"
 
         status = cluster_command("status", "--dir", str(folder))
@@ -55,6 +57,20 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
         assert "2 TaskManager(s), 1 of 2 slots free" in status.stdout and f"job {job_id} cluster-serving: RUNNING" in status.stdout
 
         assert_served(config, COUNT, seed=7, timeout=90)
+        # Restarted on the running cluster: a final savepoint, then the same job from it, with the
+        # Kafka connector the TaskManagers loaded once from lib/. Every result comes once: a
+        # result of the first run again would fail the second check (other inputs, same uris).
+        assert (folder / "lib" / connector_jar().name).exists()
+        stopped = cluster_command("stop", "--dir", str(folder), "-c", str(path))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert f"job {job_id} stopped with a final savepoint" in stopped.stdout
+        assert cluster.rest.job(job_id)["state"] == "FINISHED"
+        again = cluster_command("stop", "--dir", str(folder), "-c", str(path))
+        assert again.returncode == 2 and again.stderr.startswith("error: no running cluster-serving job to stop")
+        resubmitted = cluster_command("submit", "--dir", str(folder), "-c", str(path))
+        assert resubmitted.returncode == 0, resubmitted.stdout + resubmitted.stderr
+        assert ", resuming from the retained savepoint " in resubmitted.stdout
+        assert_served(config, COUNT, seed=8, timeout=90)
         # The bridge finds the job on the cluster's REST API (http.flink_rest_url defaults to it here).
         with HttpBridge(path, log_path=path.parent / "bridge.log") as bridge:
             assert http_call(f"{bridge.url}/v2/health/ready") == (200, {"ready": True})
@@ -77,7 +93,7 @@ def job_on_two_taskmanagers(tmp_path: Path, write_config, parallelism: int, part
     cluster = StandaloneCluster(rest_port, folder, task_slots=2, taskmanagers=2)
     cluster.start()
     try:
-        job_id = cluster.submit(path)
+        job_id, _ = cluster.submit(path)
         cluster.rest.wait_until_running(job_id, 120)
         assert len(job_data_ports(cluster, job_id)) == 2, "the subtasks are not on both TaskManagers"
         yield cluster, config, job_id

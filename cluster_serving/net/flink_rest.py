@@ -1,5 +1,5 @@
 """The Flink REST API as the CLI, the HTTP bridge, the docker `submit` service and the tests ask it:
-is a TaskManager there, which job of a name runs, wait for a job to run, cancel one.
+is a TaskManager there, which job of a name runs, wait for a job to run, cancel or stop one.
 
 urllib is enough for these few JSON calls, so the bridge and the docker image carry no HTTP
 client library for them.
@@ -34,11 +34,13 @@ class FlinkRest:
         """GET `path` (e.g. "/overview"); a dict, or a list for metric queries."""
         return self._call("GET", path)
 
-    def _call(self, method: str, path: str) -> Any:
-        request = urllib.request.Request(f"{self.url}{path}", method=method)
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if body is None else {"Content-Type": "application/json"}
+        request = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                body = response.read()
+                answer = response.read()
         except urllib.error.HTTPError as exc:
             raise FlinkRestError(
                 f"Flink REST API at {self.url} answered {method} {path} with {exc.code} ({exc.reason})"
@@ -46,7 +48,7 @@ class FlinkRest:
         except OSError as exc:
             raise FlinkRestError(f"Flink REST API not reachable at {self.url} ({exc})") from exc
         try:
-            return json.loads(body) if body else {}
+            return json.loads(answer) if answer else {}
         except ValueError as exc:
             raise FlinkRestError(
                 f"Flink REST API at {self.url} answered {method} {path} with no JSON ({exc})"
@@ -100,9 +102,29 @@ class FlinkRest:
         """Cancels the job (what the web UI's Cancel button does; no savepoint) and returns once
         it has ended."""
         self._call("PATCH", f"/jobs/{job_id}?mode=cancel")
-        deadline = time.monotonic() + timeout_s
+        self._wait_until_ended(job_id, time.monotonic() + timeout_s)
+
+    def _wait_until_ended(self, job_id: str, deadline: float) -> None:
         while time.monotonic() < deadline:
             if self.job(job_id)["state"] in TERMINAL_STATES:
                 return
             time.sleep(POLL_S)
-        raise RuntimeError(f"job {job_id} not canceled after {timeout_s:.0f} s")
+        raise RuntimeError(f"job {job_id} has not ended in time")
+
+    def stop_with_savepoint(self, job_id: str, target: str, timeout_s: float = 120.0) -> str:
+        """Stops the job with a final savepoint into the folder `target` (a URI; what `flink stop
+        --savepointPath` does) and returns the savepoint's location once the job has ended.
+        Raises RuntimeError when the savepoint fails (the job then runs on) or the time is up."""
+        trigger = self._call("POST", f"/jobs/{job_id}/stop", {"targetDirectory": target, "drain": False})["request-id"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            answer = self.get(f"/jobs/{job_id}/savepoints/{trigger}")
+            if answer["status"]["id"] == "COMPLETED":
+                operation = answer.get("operation", {})
+                if "failure-cause" in operation:
+                    cause = operation["failure-cause"].get("stack-trace", "").splitlines()[:1]
+                    raise RuntimeError(f"job {job_id}: no savepoint ({cause[0] if cause else 'see the Flink log'})")
+                self._wait_until_ended(job_id, deadline)
+                return operation["location"]
+            time.sleep(POLL_S)
+        raise RuntimeError(f"job {job_id}: no savepoint after {timeout_s:.0f} s")

@@ -9,7 +9,7 @@
     cluster-serving restart [-c CONFIG]        the job of `start` again from a final savepoint, as the config
                                                now says (a new flink.parallelism: a rescale); the bridge serves on
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
-    cluster-serving cluster up|submit|status|down
+    cluster-serving cluster up|submit|stop|status|down
                                                a local standalone Flink cluster, and the job on it
     cluster-serving replay --from T --into TOPIC [--model M --version V] [--compare]
                                                a range of the request log served again into a side topic
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster_serving.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from cluster_serving.config import DEFAULT_CONFIG_PATH, JOB_NAME, ConfigError, ServingConfig, load_config
 from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
@@ -100,17 +100,35 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"next: cluster-serving cluster submit -c CONFIG --dir {folder}  (runs flink run -py {JOB_SCRIPT})")
         return 0
     cluster = StandaloneCluster.of_folder(folder)
+    config_path = Path(args.config).resolve() if args.config else DEFAULT_CONFIG_PATH
     if args.action == "submit":
-        config_path = Path(args.config).resolve() if args.config else DEFAULT_CONFIG_PATH
-        job_id = cluster.submit(config_path)
+        job_id, start = cluster.submit(config_path)
         cluster.rest.wait_until_running(job_id, timeout_s=120)
-        print(f"job {job_id} running on {cluster.web_ui}")
+        print(f"job {job_id} running on {cluster.web_ui}, {start}")
         return 0
+    if args.action == "stop":
+        return stop_cluster_job(cluster, load_config(config_path))
     if args.action == "down":
         cluster.stop()
         print(f"Flink cluster of {folder} stopped")
         return 0
     return cluster_status(cluster)
+
+
+def stop_cluster_job(cluster: StandaloneCluster, config: ServingConfig) -> int:
+    """Stops the running serving job with a final savepoint where the next `cluster submit` of the
+    same config resumes from it; the cluster, its JVMs and the code they compiled, stay up."""
+    from cluster_serving.job.recovery import savepoint_dir
+
+    job = cluster.rest.find_job(JOB_NAME)
+    if not isinstance(job, dict) or job["state"] != "RUNNING":
+        raise ConfigError(f"no running {JOB_NAME} job to stop on {cluster.web_ui}" + (f" ({job})" if isinstance(job, str) else ""))
+    try:
+        location = cluster.rest.stop_with_savepoint(job["jid"], savepoint_dir(config.flink.checkpoint_dir).as_uri())
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(f"job {job['jid']} stopped with a final savepoint {location}; `cluster submit` with this config resumes from it")
+    return 0
 
 
 def cluster_status(cluster: StandaloneCluster) -> int:
@@ -301,10 +319,10 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=int, default=8, help="sample requests sent through the client library")
     demo.add_argument("--no-wait", action="store_true", help="stop after printing the predictions")
 
-    cluster = command("cluster", "a local standalone Flink cluster: up, submit the job, status, down", cmd_cluster)
-    cluster.add_argument("action", choices=["up", "submit", "status", "down"])
+    cluster = command("cluster", "a local standalone Flink cluster: up, submit the job, stop it, status, down", cmd_cluster)
+    cluster.add_argument("action", choices=["up", "submit", "stop", "status", "down"])
     cluster.add_argument("--dir", default="run/flink", help="the cluster's folder: its conf/, lib/, log/ and pid/")
-    cluster.add_argument("--config", "-c", help="submit: the job's config (default: cluster_serving/config/config.yaml's defaults)")
+    cluster.add_argument("--config", "-c", help="submit, stop: the job's config (default: cluster_serving/config/config.yaml's defaults)")
     cluster.add_argument("--taskmanagers", type=int, default=1, help="up: how many TaskManagers")
     cluster.add_argument("--task-slots", type=int, default=2, help="up: slots per TaskManager")
     cluster.add_argument("--rest-port", type=int, default=8081, help="up: the web UI and REST API's port on 127.0.0.1")

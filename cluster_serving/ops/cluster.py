@@ -22,6 +22,7 @@ import pyflink
 import yaml
 
 from cluster_serving.config import ConfigError
+from cluster_serving.jvm import connector_jar
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.ops.processes import free_port, pids_naming
 
@@ -32,6 +33,8 @@ PYFLINK_HOME = Path(pyflink.__file__).resolve().parent
 JOB_SCRIPT = Path(__file__).resolve().parents[1] / "job" / "main.py"
 VENV_BIN = str(Path(sys.executable).parent)
 JOB_ID_PATTERN = re.compile(r"JobID ([0-9a-f]{32})|job ([0-9a-f]{32}) submitted")
+# job/main.py's resume_point line: where the submitted job starts.
+START_PATTERN = re.compile(r"resuming from the retained \S+ \S+|starting from the committed offsets of group \S+")
 
 
 def cluster_config(rest_port: int, rpc_port: int, work_dir: Path, task_slots: int) -> dict:
@@ -102,10 +105,15 @@ class StandaloneCluster:
         return self.rest.url
 
     def prepare(self) -> None:
-        """Writes conf/ and lib/. lib/ is PyFlink's lib/ plus opt/flink-python: with flink-python
-        loaded by the TaskManager's own class loader, pemja's native library is loaded once per
-        JVM; loaded per job (from the job's jars) a second thread-mode job fails with
-        `NoSuchFieldException: loadedLibraryNames` on JDK 17."""
+        """Writes conf/ and lib/. lib/ is PyFlink's lib/ plus opt/flink-python and Flink's Kafka
+        connector, all loaded by the TaskManager's own class loader, once per JVM. flink-python:
+        pemja's native library can be loaded once per JVM only; loaded per job (from the job's
+        jars) a second thread-mode job fails with `NoSuchFieldException: loadedLibraryNames` on
+        JDK 17. The connector: a job submitted again (a restart, an upgrade) runs on the Kafka
+        client code the JIT compiled for the jobs before it, instead of a fresh copy of its classes
+        to compile again (docs/benchmarks.md, "A job restarted on a running cluster"). Its classes,
+        under org.apache.flink, are among those Flink always loads parent-first, so the copy a job
+        ships is not loaded."""
         for directory in (self.conf_dir, self.lib_dir, self.log_dir, self.pid_dir):
             directory.mkdir(parents=True, exist_ok=True)
         for source in PYFLINK_HOME.joinpath("conf").glob("log4j*.properties"):
@@ -115,7 +123,7 @@ class StandaloneCluster:
         (self.conf_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         (self.conf_dir / "workers").write_text("127.0.0.1\n" * self.taskmanagers)
         (self.conf_dir / "masters").write_text(f"127.0.0.1:{self.rest_port}\n")
-        jars = [*PYFLINK_HOME.joinpath("lib").glob("*.jar"), *PYFLINK_HOME.joinpath("opt").glob("flink-python-*.jar")]
+        jars = [*PYFLINK_HOME.joinpath("lib").glob("*.jar"), *PYFLINK_HOME.joinpath("opt").glob("flink-python-*.jar"), connector_jar()]
         for old in self.lib_dir.glob("*.jar"):
             old.unlink()
         for jar in jars:
@@ -194,9 +202,10 @@ class StandaloneCluster:
             tails.append(f"--- {path.name}\n" + "\n".join(text))
         return "\n".join(tails)
 
-    def submit(self, config_path: Path, timeout: float = 180.0) -> str:
-        """`flink run --detached -py cluster_serving/job/main.py`; returns the job id. The CLI returns once the job
-        is submitted; the job's own log lines are in its output."""
+    def submit(self, config_path: Path, timeout: float = 180.0) -> tuple[str, str]:
+        """`flink run --detached -py cluster_serving/job/main.py`; returns the job id and where the
+        job starts, as its own log line in the CLI's output says (a retained checkpoint or final
+        savepoint, or the group's committed offsets). The CLI returns once the job is submitted."""
         python = sys.executable
         code, output = self._script(
             "flink", "run", "--detached",
@@ -209,7 +218,8 @@ class StandaloneCluster:
             raise RuntimeError(f"flink run failed ({code}): {_last_error(output)}")
         job_id = match.group(1) or match.group(2)
         log.info("job %s submitted to %s", job_id, self.web_ui)
-        return job_id
+        start = START_PATTERN.search(output)
+        return job_id, start.group(0) if start else "start point not logged"
 
     def stop(self, timeout: float = 30.0) -> None:
         """stop-cluster.sh, then SIGKILL for any of the cluster's JVMs still there; idempotent."""
