@@ -63,7 +63,7 @@ def one_run(cluster: StandaloneCluster, folder: Path, model: Path, bootstrap: st
     uris = [f"p{parallelism}-{i}" for i in range(args.requests)]
     enqueue_batch_all(config, uris, "features", samples)
     reader = ResultReader(config.kafka.bootstrap_servers, config.kafka.result_topic)
-    job_id = cluster.submit(path)
+    job_id, _ = cluster.submit(path)
     try:
         cluster.rest.wait_until_running(job_id, 180)
         reader.read_until(uris, DRAIN_TIMEOUT_S)

@@ -47,6 +47,8 @@ DEFAULT_CONFIG_PATH = Path(__file__).with_name("config.yaml")
 KAFKA_RECORD_BYTES = 20 * 1024 * 1024
 # The Flink job's name: the HTTP bridge and the CLI find the running job by it.
 JOB_NAME = "cluster-serving"
+# The folder of the job's final savepoints, inside flink.checkpoint_dir (cluster_serving/job/recovery.py).
+SAVEPOINTS = "savepoints"
 # Mappings whose keys are the user's (property names, input names): a file replaces them whole.
 FREE_MAPPINGS = ("properties", "images")
 
@@ -159,6 +161,11 @@ class FlinkConfig(_Section):
     # None listed: Flink's Kafka connector from the per-user cache (cluster_serving.jvm).
     jars: Annotated[tuple[File, ...], _none_is(())] = ()
     jvm_options: Annotated[tuple[JvmOption, ...], _none_is(())] = ()
+
+    @property
+    def savepoint_dir(self) -> Path:
+        """Where a stop's final savepoint goes: the next start resumes from it."""
+        return self.checkpoint_dir / SAVEPOINTS
 
 
 class LimitsConfig(_Section):

@@ -19,8 +19,9 @@ import shutil
 from itertools import chain
 from pathlib import Path
 
+from cluster_serving.config.schema import SAVEPOINTS
+
 log = logging.getLogger(__name__)
-SAVEPOINTS = "savepoints"
 
 
 def savepoint_dir(checkpoint_dir: Path) -> Path:

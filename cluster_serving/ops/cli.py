@@ -118,13 +118,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 def stop_cluster_job(cluster: StandaloneCluster, config: ServingConfig) -> int:
     """Stops the running serving job with a final savepoint where the next `cluster submit` of the
     same config resumes from it; the cluster, its JVMs and the code they compiled, stay up."""
-    from cluster_serving.job.recovery import savepoint_dir
-
     job = cluster.rest.find_job(JOB_NAME)
     if not isinstance(job, dict) or job["state"] != "RUNNING":
         raise ConfigError(f"no running {JOB_NAME} job to stop on {cluster.web_ui}" + (f" ({job})" if isinstance(job, str) else ""))
     try:
-        location = cluster.rest.stop_with_savepoint(job["jid"], savepoint_dir(config.flink.checkpoint_dir).as_uri())
+        location = cluster.rest.stop_with_savepoint(job["jid"], config.flink.savepoint_dir.as_uri())
     except RuntimeError as exc:
         raise ConfigError(str(exc)) from exc
     print(f"job {job['jid']} stopped with a final savepoint {location}; `cluster submit` with this config resumes from it")
