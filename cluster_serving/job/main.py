@@ -34,7 +34,7 @@ from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_py
 from cluster_serving.job.control_key import control_key  # noqa: E402
 from cluster_serving.job.kafka_io import RESULT_RECORD, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
-from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs, savepoint_dir  # noqa: E402
+from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
 from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # noqa: E402
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
@@ -186,16 +186,16 @@ def prepare_process_environment(config: ServingConfig) -> str:
 def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
     """The retained checkpoint to restore, or None to start from the group's committed offsets."""
     checkpoint_dir = config.flink.checkpoint_dir
-    checkpoint = None if fresh else latest_checkpoint(checkpoint_dir)
+    checkpoint = None if fresh else latest_checkpoint(config.flink)
     if checkpoint is None:
         log.info(
             "%s: starting from the committed offsets of group %s (else the earliest); checkpoints go to %s",
             "--fresh" if fresh else "no retained checkpoint", config.kafka.group_id, checkpoint_dir,
         )
         return None
-    kind = "savepoint" if checkpoint.parent == savepoint_dir(checkpoint_dir) else "checkpoint"
+    kind = "savepoint" if checkpoint.parent == config.flink.savepoint_dir else "checkpoint"
     log.info("resuming from the retained %s %s", kind, checkpoint)
-    prune_other_runs(checkpoint_dir, keep=checkpoint)
+    prune_other_runs(config.flink, keep=checkpoint)
     return checkpoint
 
 
@@ -265,7 +265,7 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         if config.models.poll_interval_s and time.monotonic() - polled >= config.models.poll_interval_s:
             watch.poll()
             polled = time.monotonic()
-    stop_with_savepoint(client, savepoint_dir(config.flink.checkpoint_dir))
+    stop_with_savepoint(client, config.flink.savepoint_dir)
     return 0
 
 

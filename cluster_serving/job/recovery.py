@@ -19,28 +19,24 @@ import shutil
 from itertools import chain
 from pathlib import Path
 
-from cluster_serving.config.schema import SAVEPOINTS
+from cluster_serving.config import FlinkConfig
 
 log = logging.getLogger(__name__)
 
 
-def savepoint_dir(checkpoint_dir: Path) -> Path:
-    return checkpoint_dir / SAVEPOINTS
-
-
-def latest_checkpoint(checkpoint_dir: Path) -> Path | None:
-    """The newest complete checkpoint or savepoint under `checkpoint_dir` (the folder holding
+def latest_checkpoint(flink: FlinkConfig) -> Path | None:
+    """The newest complete checkpoint or savepoint under `flink.checkpoint_dir` (the folder holding
     `_metadata`)."""
-    found = chain(checkpoint_dir.glob("*/chk-*/_metadata"), savepoint_dir(checkpoint_dir).glob("*/_metadata"))
+    found = chain(flink.checkpoint_dir.glob("*/chk-*/_metadata"), flink.savepoint_dir.glob("*/_metadata"))
     complete = [metadata.parent for metadata in found]
     return max(complete, key=lambda state: (state / "_metadata").stat().st_mtime, default=None)
 
 
-def prune_other_runs(checkpoint_dir: Path, keep: Path) -> None:
+def prune_other_runs(flink: FlinkConfig, keep: Path) -> None:
     """Removes what earlier runs left but the state being restored: once the new run has
     checkpointed, none of it is needed again (Flink restores in NO_CLAIM mode)."""
-    runs = [path for path in checkpoint_dir.iterdir() if path.is_dir() and path.name != SAVEPOINTS]
-    for path in chain(runs, savepoint_dir(checkpoint_dir).glob("*")):
+    runs = [path for path in flink.checkpoint_dir.iterdir() if path.is_dir() and path != flink.savepoint_dir]
+    for path in chain(runs, flink.savepoint_dir.glob("*")):
         if path.is_dir() and path not in (keep, keep.parent):
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed the state of an earlier run: %s", path)
