@@ -70,16 +70,22 @@ class ClusterJob:
         self.cluster.rest.stop_with_savepoint(self.job_id, self.config.flink.savepoint_dir.as_uri())
 
 
+def drain_rate(job: ClusterJob, reader: ResultReader, uris: list[str], before: int, skipped: int = 0) -> float:
+    """Waits for the results of `uris`, the ones after the `before` already on the result topic,
+    and times them past the first `skipped`."""
+    if not reader.wait_for(before + len(uris), lambda: True, DRAIN_TIMEOUT_S):
+        raise RuntimeError(f"job {job.job_id} did not answer {len(uris)} requests")
+    reader.read_until(uris, DRAIN_TIMEOUT_S)
+    return reader.drain_rate(before + skipped, before + len(uris))
+
+
 def drain_after_start(job: ClusterJob, reader: ResultReader, model: BenchModel, samples: np.ndarray,
                       uris: list[str], warmup: int) -> float:
     """Writes `uris` while the job is stopped, submits it, and times its drain past `warmup`."""
     before = reader.written()
     enqueue_batch_all(job.config, uris, model.input_name, samples)
     job.submit()
-    if not reader.wait_for(before + len(uris), lambda: True, DRAIN_TIMEOUT_S):
-        raise RuntimeError(f"job {job.job_id} did not answer {len(uris)} requests")
-    reader.read_until(uris, DRAIN_TIMEOUT_S)
-    return reader.drain_rate(before + warmup, before + len(uris))
+    return drain_rate(job, reader, uris, before, warmup)
 
 
 def drain_while_running(job: ClusterJob, reader: ResultReader, model: BenchModel, samples: np.ndarray,
@@ -87,10 +93,7 @@ def drain_while_running(job: ClusterJob, reader: ResultReader, model: BenchModel
     """A backlog written in one Kafka transaction while the job runs, timed from its first result."""
     before = reader.written()
     enqueue_batch_all(job.config, uris, model.input_name, samples, transactional_id="cs-bench-restart")
-    if not reader.wait_for(before + len(uris), lambda: True, DRAIN_TIMEOUT_S):
-        raise RuntimeError(f"job {job.job_id} did not answer {len(uris)} requests")
-    reader.read_until(uris, DRAIN_TIMEOUT_S)
-    return reader.drain_rate(before, before + len(uris))
+    return drain_rate(job, reader, uris, before)
 
 
 def measure(job: ClusterJob, reader: ResultReader, model: BenchModel, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -102,10 +105,7 @@ def measure(job: ClusterJob, reader: ResultReader, model: BenchModel, folder: Pa
     progress(MODEL, "the job's first start, on that backlog ...")
     before = reader.written()
     job.submit()
-    if not reader.wait_for(before + len(first), lambda: True, DRAIN_TIMEOUT_S):
-        raise RuntimeError(f"job {job.job_id} did not answer its first backlog")
-    first_start = reader.drain_rate(before + warmup, before + len(first))
-    reader.read_until(first, DRAIN_TIMEOUT_S)
+    first_start = drain_rate(job, reader, first, before, warmup)
     running = []
     for drain in range(args.running_drains):
         progress(MODEL, f"drain {drain + 1} of {args.running_drains} while it runs ...")
