@@ -21,6 +21,7 @@ from cluster_serving.kafka.admin import topic_records
 from cluster_serving.wire.codec import CONTROL_HEADER, Message, decode_message, encode_message
 from tests.conftest import collect
 from tests.onnx_models import WIDTH, graph_model, scale_model
+from tests.test_recovery import kill_between_checkpoints
 
 
 def total_model(path: Path) -> Path:
@@ -240,8 +241,8 @@ def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first
     tmp_path, write_config, start_job
 ) -> None:
     """At least once: requests read again after the restore are served again, but by the same
-    version as before the kill, because the switch is a position in the request log. Checkpoints
-    5 s apart, so that the kill seldom falls just after one and leaves requests to read again."""
+    version as before the kill, because the switch is a position in the request log. The kill lands
+    midway between checkpoints 5 s apart, so that seconds of requests are read again."""
     root = tmp_path / "models"
     scale_model(root / "scale" / "1" / "model.onnx", 2.0)
     path, config = write_config(models={"repository": str(root), "poll_interval_s": 0.5},
@@ -256,7 +257,7 @@ def test_a_sigkill_after_a_swap_replays_each_request_with_the_version_that_first
         deadline = time.monotonic() + 60
         while 2 not in {v for versions in versions_written(config).values() for v in versions} and time.monotonic() < deadline:
             time.sleep(0.2)
-        first.kill()
+        kill_between_checkpoints(first, config)
         time.sleep(2)
         start_job(path, config)
         time.sleep(3)

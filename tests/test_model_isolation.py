@@ -21,7 +21,7 @@ from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.processes import write_run_config
 from tests.conftest import collect
 from tests.onnx_models import WIDTH, scale_model
-from tests.test_recovery import StartedByCli, count_results, results_written, transaction_open
+from tests.test_recovery import StartedByCli, count_results, kill_between_checkpoints, results_written
 from tests.test_scheduler import GATED
 
 SLEEPS = """import time
@@ -115,10 +115,10 @@ def test_slow_batches_in_flight_at_checkpoints_survive_a_sigkill_exactly_once(br
     try:
         producer = ThreadPoolExecutor(max_workers=1).submit(send_paced, config, requests, 500)
         deadline = time.monotonic() + 120
-        while not (results_written(config) > count // 3 and results_written(config, "read_committed") > 0
-                   and transaction_open(config)) and time.monotonic() < deadline:
+        while not (results_written(config) > count // 3 and results_written(config, "read_committed") > 0) \
+                and time.monotonic() < deadline:
             time.sleep(0.02)
-        first.kill()
+        kill_between_checkpoints(first, config)
         assert producer.result() == count
         second.start()
         with OutputQueue(config.kafka.bootstrap_servers, config.kafka.result_topic, group_id=f"{config.kafka.group_id}-client") as outputs:

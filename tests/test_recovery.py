@@ -44,10 +44,26 @@ def results_written(config: ServingConfig, isolation_level: str = "read_uncommit
     return records_written([topic], bootstrap_servers=config.kafka.bootstrap_servers, isolation_level=isolation_level)[topic]
 
 
-def transaction_open(config: ServingConfig) -> bool:
-    """Whether results were written in a transaction not committed yet: what a kill must catch
-    for exactly-once to be tested (a kill just after a commit leaves nothing to abort)."""
-    return not config.kafka.exactly_once or results_written(config, "read_committed") < results_written(config)
+def kill_between_checkpoints(job: EmbeddedJob, config: ServingConfig, timeout_s: float = 60) -> None:
+    """SIGKILLs the job when 0.4 of a checkpoint interval has passed since a checkpoint completed
+    (the JobManager's log line): what it wrote since sits in an open transaction the restore must
+    abort (exactly once), or is read again (at least once). A kill timed by results alone could
+    land just after a barrier, before anything was written behind it, and test nothing. The REST
+    API's checkpoint figures are cached for seconds, too stale to time it by."""
+    log_file = next(config.flink_log_dir.glob("flink-*.log"))
+    wait_s = 0.4 * config.flink.checkpoint_interval_ms / 1000
+    deadline = time.monotonic() + timeout_s
+    completed_at = None
+    with log_file.open(errors="replace") as log:
+        log.seek(0, os.SEEK_END)
+        while time.monotonic() < deadline:
+            if "Completed checkpoint" in log.read():
+                completed_at = time.monotonic()
+            elif completed_at is not None and time.monotonic() - completed_at > wait_s:
+                job.kill()
+                return
+            time.sleep(0.005)
+    raise AssertionError(f"no checkpoint completed in {timeout_s:.0f} s to time the kill by")
 
 
 def count_results(config: ServingConfig, isolation_level: str) -> int:
@@ -177,10 +193,10 @@ def kill_and_restart(path: Path, config: ServingConfig, count: int, folder: Path
         producer = send(config, features)
         bad_producer = send_bad(config, bad, bad * SEND_RATE / count) if bad else None
         deadline = time.monotonic() + 120
-        while (results_written(config) < count // 3 or not transaction_open(config)) and time.monotonic() < deadline:
+        while results_written(config) < count // 3 and time.monotonic() < deadline:
             time.sleep(0.05)
+        kill_between_checkpoints(first, config)
         at_kill = results_written(config)
-        first.kill()
         assert producer.result() == count
         assert bad_producer is None or bad_producer.result() == bad
         assert 0 < at_kill < count, f"the kill did not land mid-stream ({at_kill} results written)"
