@@ -47,6 +47,7 @@ from cluster_serving.runtime.frames import (
 from cluster_serving.runtime import rewrites
 from cluster_serving.runtime.dead_letters import dead_letters
 from cluster_serving.runtime.decode import decode_frame
+from cluster_serving.runtime.device_io import GraphRun, graph_run_options
 from cluster_serving.runtime.encode import batches_frame
 from cluster_serving.runtime.model import open_session
 from cluster_serving.runtime.repository import RoutingTable, scan
@@ -96,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
     parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
     parser.add_argument("--float16", action="store_true", help="model.float16: raw ORT and the stage both run the model in float16")
+    parser.add_argument("--cuda-graph", action="store_true", help="model.cuda_graph: the stage's full batches and raw ORT with "
+                        "I/O bound replay a CUDA graph (CUDA, --run-size 0 only)")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime's intra-op threads (0: one per core)")
     parser.add_argument("--decode-threads", type=int, default=0, help="model.decode_threads, the image decoders (0: one per core)")
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per measurement")
@@ -105,11 +108,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cuda_graph and (args.device != "cuda" or args.run_size):
+        fail("--cuda-graph needs --device cuda and --run-size 0")
     with tempfile.TemporaryDirectory(prefix="stage-bench-") as scratch:
         model = model_file(args.model, Path(scratch))
         rows = [
             row for kind in args.inputs.split(",") for batch in args.batch.split(",")
-            for row in measure(model, args.model + ("/fp16" if args.float16 else ""), kind, int(batch), args)
+            for row in measure(model, args.model + ("/fp16" if args.float16 else "") + ("/graph" if args.cuda_graph else ""), kind, int(batch), args)
         ]
     print_table(rows)
     if args.json:
@@ -130,13 +135,18 @@ def model_file(name: str, folder: Path) -> Path:
 
 def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> list[Row]:
     """Raw ORT on the batch, and the stage on its requests, a row per model.instances value."""
-    session = open_session(model, args.device, args.threads, float16_bytes(model) if args.float16 else None)
+    session = open_session(model, args.device, args.threads, float16_bytes(model) if args.float16 else None, args.cuda_graph)
     spec = session.get_inputs()[0]
     shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
     samples = np.random.default_rng(0).random(shape, dtype=np.float32)
     runs = [samples[start:start + (args.run_size or batch)] for start in range(0, batch, args.run_size or batch)]
     raw = raw_ort(session, spec.name, runs, args.seconds)
-    bound = raw_ort_bound(session, spec.name, runs, args.seconds) if args.device == "cuda" else None
+    if args.device != "cuda":
+        bound = None
+    elif args.cuda_graph:
+        bound = raw_ort_replayed(session, spec.name, samples, args.seconds)
+    else:
+        bound = raw_ort_bound(session, spec.name, runs, args.seconds)
     records, sources = requests(spec.name, kind, samples)
     rows = []
     for instances in _counts(args.model_instances):
@@ -154,8 +164,9 @@ def float16_bytes(model: Path) -> bytes:
 
 
 def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
-    """Requests/s of session.run on ready batches, one run per item of `runs`."""
-    return sum(map(len, runs)) / _per_call(lambda: [session.run(None, {name: rows}) for rows in runs], seconds)
+    """Requests/s of session.run on ready batches, one run per item of `runs` (outside any CUDA graph)."""
+    options = graph_run_options(-1)
+    return sum(map(len, runs)) / _per_call(lambda: [session.run(None, {name: rows}, options) for rows in runs], seconds)
 
 
 def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
@@ -167,7 +178,14 @@ def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarra
         for output in session.get_outputs():
             binding.bind_output(output.name, "cuda", 0)
         bindings.append(binding)
-    return sum(map(len, runs)) / _per_call(lambda: [session.run_with_iobinding(binding) for binding in bindings], seconds)
+    options = graph_run_options(-1)
+    return sum(map(len, runs)) / _per_call(lambda: [session.run_with_iobinding(binding, options) for binding in bindings], seconds)
+
+
+def raw_ort_replayed(session: ort.InferenceSession, name: str, batch: np.ndarray, seconds: float) -> float:
+    """Requests/s of a CUDA graph's replays, its inputs copied to the device once and outputs left there."""
+    graph = GraphRun(session, {name: batch}, [output.name for output in session.get_outputs()], "cuda")
+    return len(batch) / _per_call(lambda: session.run_with_iobinding(graph.binding, graph.options), seconds)
 
 
 def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, instances: int,
@@ -175,7 +193,7 @@ def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batc
     overrides = {
         "model.path": str(model), "model.threads": args.threads, "model.decode_threads": args.decode_threads,
         "model.instances": instances,
-        "model.float16": args.float16, "device": args.device,
+        "model.float16": args.float16, "model.cuda_graph": args.cuda_graph, "device": args.device,
         "batching.batch_size": batch, "batching.run_batch_size": args.run_size, "limits.max_instance_bytes": 64 << 20,
     }
     if kind == "jpeg":

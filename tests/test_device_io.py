@@ -8,6 +8,8 @@ import base64
 import io
 import logging
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from cluster_serving.config import ImageConfig, LimitsConfig, load_config
 from cluster_serving.ops.sample_model import FEATURES, build_sample_model
 from cluster_serving.runtime.decode import prepare_instances
 from cluster_serving.runtime.frames import read_result_frame, write_batch_frame, write_control_frame
-from cluster_serving.runtime.device_io import COPY_THREADS, PARALLEL_COPY_BYTES
+from cluster_serving.runtime.device_io import COPY_THREADS, PARALLEL_COPY_BYTES, SharedExclusiveLock
 from cluster_serving.runtime.infer import predict
 from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.outcomes import as_messages
@@ -157,3 +159,77 @@ def test_float16_and_pixel_nodes_together(tmp_path: Path) -> None:
     ready, _ = prepare_instances([decode_message(image_request("r0", photo), 1 << 20)], model.images, LIMITS, None, model.batch_array)
     [result] = as_messages(predict(model, ready))
     np.testing.assert_allclose(result.tensors["y"], decode_image("x", photo, config, 1 << 20), rtol=2e-3, atol=2e-3)
+
+
+def test_full_batches_replay_from_buffers_bound_once(sample_path: Path) -> None:
+    """model.cuda_graph: batches of the graph's rows run from inputs and outputs bound once (on
+    CUDA a replayed graph; the CPU provider runs them as they are), each with its own rows and
+    results; other batches run as before."""
+    graphed = OnnxModel(sample_path, "cpu", on_device=True, graph_rows=4)
+    plain = OnnxModel(sample_path, "cpu")
+    rng = np.random.default_rng(12)
+    for count, dtype in ((4, np.float32), (3, np.float32), (4, np.float64), (4, np.float32), (9, np.float32)):
+        rows = rng.normal(size=(count, FEATURES)).astype(dtype)
+        feeds = [{"features": row} for row in rows]
+        got, want = graphed.run_stacked(feeds), plain.run_stacked(feeds)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
+        if count == 4:
+            graph = graphed.runner.graph
+            assert graph is not None and graph.signature == (("features", (4, FEATURES), np.dtype(np.float32)),)
+            bound = graph.inputs["features"].data_ptr()
+    assert graphed.runner.graph is graph and graph.inputs["features"].data_ptr() == bound  # bound once, reused
+
+
+def test_cuda_graph_serves_full_and_partial_batches(sample_path: Path) -> None:
+    """The config key reaches the model's copies: a full batch and a partial one, served."""
+    config = load_config(overrides={"model.path": str(sample_path), "model.cuda_graph": True, "batching.batch_size": 4})
+    server = BatchServer(config)
+    server.serve_frame(write_control_frame(RoutingTable.of(scan(config)).text()))
+    rows = np.random.default_rng(13).normal(size=(6, FEATURES)).astype(np.float32)
+    want = OnnxModel(sample_path, "cpu").run_stacked([{"features": row} for row in rows])
+    for batch in (range(4), range(4, 6)):
+        records = [(f"r{i}", encode_request(f"r{i}", {"features": rows[i]})) for i in batch]
+        results = {uri: decode_message(bytes(payload), 1 << 20) for uri, payload in read_result_frame(server.serve_frame(write_batch_frame("", "", records)))}
+        for i in batch:
+            for name, expected in want.items():
+                np.testing.assert_allclose(results[f"r{i}"].tensors[name], expected[i], rtol=1e-6, atol=1e-7)
+    server.close()
+
+
+def test_recording_runs_alone() -> None:
+    """A thread that asks to hold the lock alone waits for those sharing it and keeps newcomers
+    out until it is done; sharers hold it together."""
+    lock = SharedExclusiveLock()
+    order: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def sharer(name: str, hold: threading.Event | None = None) -> None:
+        with lock.shared():
+            order.append(f"{name} in")
+            if hold is not None:
+                first_in.set()
+                hold.wait(5)
+            order.append(f"{name} out")
+
+    def alone() -> None:
+        with lock.exclusive():
+            order.append("alone")
+
+    first = threading.Thread(target=sharer, args=("a", release_first))
+    first.start()
+    assert first_in.wait(5)
+    with lock.shared():  # sharers hold it together
+        order.append("b")
+    recorder = threading.Thread(target=alone)
+    recorder.start()
+    while not lock.waiting_alone:
+        time.sleep(0.001)
+    late = threading.Thread(target=sharer, args=("c",))
+    late.start()
+    time.sleep(0.05)
+    assert order == ["a in", "b"]  # the recorder waits for a; c waits behind the recorder
+    release_first.set()
+    for thread in (first, recorder, late):
+        thread.join(5)
+    assert order == ["a in", "b", "a out", "alone", "c in", "c out"]

@@ -52,9 +52,9 @@ class RecordingSession:
     def __init__(self, session: object):
         self.session, self.rows = session, []
 
-    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, names: list[str], feeds: dict[str, np.ndarray], options: object = None) -> list[np.ndarray]:
         self.rows.append(len(next(iter(feeds.values()))))
-        return self.session.run(names, feeds)
+        return self.session.run(names, feeds, options)
 
 
 @pytest.mark.parametrize("run_size", [0, 2])

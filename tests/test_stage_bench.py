@@ -45,6 +45,8 @@ def test_the_command_hands_bench_stage_to_the_stage_bench_in_a_clone(tmp_path: P
     run = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.strip() == (
         "error: --model: nowhere.onnx is neither a built-in model (mlp, cnn, conv224, resnet50) nor a file")
+    graph = subprocess.run([*command[:3], "--cuda-graph"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    assert graph.returncode == 2 and graph.stderr.strip() == "error: --cuda-graph needs --device cuda and --run-size 0"
     elsewhere = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert elsewhere.returncode == 2 and elsewhere.stderr.strip() == (
         "error: bench/ is not in the working folder: it runs from a clone of the repository (./run.sh bench)")

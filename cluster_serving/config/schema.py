@@ -112,6 +112,7 @@ class ModelConfig(_Section):
     threads: StrictInt = Field(1, ge=0)
     decode_threads: StrictInt = Field(0, ge=0, le=1024)
     float16: StrictBool = False
+    cuda_graph: StrictBool = False
     instances: StrictInt = Field(0, ge=0, le=64)
     max_queue_size: StrictInt = Field(0, ge=0)
 

@@ -3,6 +3,7 @@ stacking instances into one batched run and splitting the outputs again."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cluster_serving.config import ImageConfig
-from cluster_serving.runtime.device_io import BoundRunner
+from cluster_serving.runtime.device_io import CUDA_WORK, BoundRunner, graph_run_options
 from cluster_serving.runtime.outcomes import InvalidInput
 from cluster_serving.runtime.preprocess import BatchArray
 from cluster_serving.wire.tensors import TensorError, TensorSpec, cast_changes_values, config_mismatch, onnx_spec, stacks
@@ -23,24 +24,28 @@ class ModelError(RuntimeError):
     """The model cannot be served as configured (load failure, unusable device, name mismatch)."""
 
 
-def open_session(path: Path, device: str, threads: int = 1, model: bytes | None = None) -> ort.InferenceSession:
+def open_session(path: Path, device: str, threads: int = 1, model: bytes | None = None,
+                 cuda_graph: bool = False) -> ort.InferenceSession:
     """Opens the model on CUDA when asked for and usable, else on the CPU; `cuda` never falls back.
 
-    `model`: the model's bytes, when they are not the file's (rewrites.py's). `threads`: ONNX
+    `model`: the model's bytes, when they are not the file's (rewrites.py's). `cuda_graph`: on
+    CUDA, with ONNX Runtime's CUDA graphs enabled (device_io.GraphRun). `threads`: ONNX
     Runtime's intra-op threads (0: one per core, its default). Its pool threads
     never spin-wait for work: spinning kept a core busy between batches, the core the Kafka
     clients, the broker and the JVM needed."""
     want_cuda = device in ("auto", "cuda") and "CUDAExecutionProvider" in ort.get_available_providers()
     if device == "cuda" and not want_cuda:
         raise ModelError("device is 'cuda' but this onnxruntime build has no CUDA provider")
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if want_cuda else ["CPUExecutionProvider"]
+    cuda = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})
+    providers = [cuda, "CPUExecutionProvider"] if want_cuda else ["CPUExecutionProvider"]
     # A CPU-only machine is normal for `auto`: keep ONNX Runtime's CUDA load errors out of the log.
     ort.set_default_logger_severity(4 if device == "auto" else 2)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
-        session = ort.InferenceSession(model or str(path), options, providers=providers)
+        with CUDA_WORK.shared() if want_cuda else contextlib.nullcontext():
+            session = ort.InferenceSession(model or str(path), options, providers=providers)
     except Exception as exc:
         raise ModelError(f"cannot load model {path}: {exc}") from None
     finally:
@@ -57,13 +62,17 @@ class OnnxModel:
     On a GPU (or wherever `on_device` says), batches move through a BoundRunner (device_io.py)
     and the image inputs in `images` are normalised by nodes in front of the model
     (rewrites.py): `images` then says how the host decodes them, as plain pixels. `float16`
-    runs the model in float16 (rewrites.py), its inputs and outputs unchanged."""
+    runs the model in float16 (rewrites.py), its inputs and outputs unchanged. `graph_rows`
+    (model.cuda_graph: the batches' rows): on CUDA, batches of that many rows replay a CUDA graph;
+    wherever `on_device` says, they run from buffers bound once (device_io.GraphRun)."""
 
     def __init__(
         self, path: Path, device: str, inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = (), threads: int = 1,
         images: dict[str, ImageConfig] | None = None, on_device: bool | None = None, float16: bool = False,
+        graph_rows: int = 0,
     ):
-        self.session = open_session(path, device, threads)
+        self.cuda_graph = graph_rows > 0
+        self.session = open_session(path, device, threads, cuda_graph=self.cuda_graph)
         self.provider = self.session.get_providers()[0]
         self.images = dict(images or {})
         self.on_device = self.provider == "CUDAExecutionProvider" if on_device is None else on_device
@@ -80,7 +89,10 @@ class OnnxModel:
         self.output_names = list(outputs) or model_outputs
         self.batched = stacks(self.inputs)
         bindable = self.on_device and all(spec.dtype.kind != "O" for spec in self.inputs)
-        self.runner = BoundRunner(self.session, self.output_names, "cuda" if self.provider == "CUDAExecutionProvider" else "cpu") if bindable else None
+        self.run_options = graph_run_options(-1) if self.cuda_graph else None  # runs outside the graph
+        self.runner = BoundRunner(
+            self.session, self.output_names, "cuda" if self.provider == "CUDAExecutionProvider" else "cpu", graph_rows if bindable else 0,
+        ) if bindable else None
 
     def _rewrite(self, path: Path, device: str, threads: int, float16: bool) -> None:
         """Reopens the session on the model as rewrites.py changes it: in float16 when asked for
@@ -105,14 +117,14 @@ class OnnxModel:
                 raise ModelError(f"cannot convert model {path} to float16: {exc}") from None
         if images:
             try:
-                self.session = open_session(path, device, threads, rewrites.with_pixel_inputs(model, images).SerializeToString())
+                self.session = open_session(path, device, threads, rewrites.with_pixel_inputs(model, images).SerializeToString(), self.cuda_graph)
             except Exception as exc:
                 log.warning("model %s: images stay normalised on the host: %s", path, exc)
             else:
                 self.images |= {name: rewrites.pixels_only(config) for name, config in images.items()}
                 return
         if float16:
-            self.session = open_session(path, device, threads, model.SerializeToString())
+            self.session = open_session(path, device, threads, model.SerializeToString(), self.cuda_graph)
 
     def batch_array(self, name: str) -> BatchArray:
         """Makes the array a batch's images of input `name` are decoded into: the runner's
@@ -181,7 +193,8 @@ class OnnxModel:
             outputs = self.runner.run(columns, {spec.name: spec.dtype for spec in self.inputs})
         else:
             stacked = {spec.name: stack_rows(columns[spec.name]).astype(spec.dtype, copy=False) for spec in self.inputs}
-            outputs = self.session.run(self.output_names, stacked)
+            with self._cuda_work():
+                outputs = self.session.run(self.output_names, stacked, self.run_options)
         for name, value in zip(self.output_names, outputs):
             if value.ndim == 0 or value.shape[0] != rows:
                 raise ModelError(f"output {name!r} does not keep the batch dimension")
@@ -189,7 +202,12 @@ class OnnxModel:
 
     def run_one(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One prepared instance, as it is: for models without a free batch dimension."""
-        return dict(zip(self.output_names, self.session.run(self.output_names, feed)))
+        with self._cuda_work():
+            return dict(zip(self.output_names, self.session.run(self.output_names, feed, self.run_options)))
+
+    def _cuda_work(self) -> contextlib.AbstractContextManager[None]:
+        """Runs outside the BoundRunner on CUDA share device_io.CUDA_WORK with the others."""
+        return CUDA_WORK.shared() if self.provider == "CUDAExecutionProvider" else contextlib.nullcontext()
 
     def _input_names(self) -> str:
         return ", ".join(spec.name for spec in self.inputs)

@@ -40,12 +40,14 @@ class RouteError(LookupError):
 
 
 def open_version(servable: Servable, version: int, config: ServingConfig) -> OnnxModel:
-    """One version's session, as `config` says (device, model.threads, model.float16), checked
-    against its servable.yaml (inputs, outputs, image inputs)."""
+    """One version's session, as `config` says (device, model.threads, model.float16,
+    model.cuda_graph), checked against its servable.yaml (inputs, outputs, image inputs)."""
     settings = servable.config
+    batching = servable.batching
     model = OnnxModel(
         servable.path(version), config.device, settings.inputs, settings.outputs, config.model.threads,
         settings.preprocess.images, float16=config.model.float16,
+        graph_rows=(batching.run_batch_size or batching.batch_size) if config.model.cuda_graph else 0,
     )
     problem = config_mismatch(
         [spec.name for spec in model.inputs], model.output_names, image_inputs=tuple(settings.preprocess.images)
