@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", default="32", help="batch sizes, comma separated")
     parser.add_argument("--run-size", type=int, default=0, help="rows per session.run, raw and stage alike (0: the batch)")
     parser.add_argument("--model-instances", default="0", help="model.instances, the copies of the model each stage runs "
-                        "batches on at once, comma separated: a row each (0: the job's default, 3 on a GPU and 1 on the CPU)")
+                        "batches on at once, comma separated: a row each (0: the job's default, 4 on a GPU and 1 on the CPU)")
     parser.add_argument("--instances", default="", help="also run the stage as this many instances at once, comma separated")
     parser.add_argument("--instances-in", choices=["processes", "threads"], default="processes", help="where those instances run")
     parser.add_argument("--float16", action="store_true", help="model.float16: raw ORT and the stage both run the model in float16")

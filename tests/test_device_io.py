@@ -30,6 +30,7 @@ from cluster_serving.runtime.outcomes import as_messages
 from cluster_serving.runtime.preprocess import decode_image
 from cluster_serving.runtime.repository import RoutingTable, scan
 from cluster_serving.runtime.serve import BatchServer
+from cluster_serving.runtime.servables import InstancePool
 from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.inputs import encode_request
 from tests.onnx_models import graph_model
@@ -233,3 +234,17 @@ def test_recording_runs_alone() -> None:
     for thread in (first, recorder, late):
         thread.join(5)
     assert order == ["a in", "b", "a out", "alone", "c in", "c out"]
+
+
+def test_copies_side_by_side_copy_their_rows_on_their_own_thread(tmp_path: Path) -> None:
+    """A model served by one copy splits a large batch's copy into place among COPY_THREADS;
+    copies side by side (an InstancePool of several) each copy on the lane's own thread."""
+    shape = [3, 224, 224]
+    path = graph_model(tmp_path / "large.onnx", [("x", TensorProto.FLOAT, shape)], [helper.make_node("Identity", ["x"], ["y"])],
+                       [("y", TensorProto.FLOAT, shape)])
+    alone = InstancePool([OnnxModel(path, "cpu", on_device=True)], 1)
+    side_by_side = InstancePool([OnnxModel(path, "cpu", on_device=True) for _ in range(2)], 2)
+    assert alone.first.runner.copy_threads == COPY_THREADS and [copy.runner.copy_threads for copy in side_by_side.copies] == [1, 1]
+    rows = list(np.random.default_rng(3).random((13, *shape), dtype=np.float32))
+    for copy in side_by_side.copies:
+        np.testing.assert_array_equal(copy.run_stacked([{"x": row} for row in rows])["y"], np.stack(rows))

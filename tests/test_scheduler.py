@@ -168,10 +168,10 @@ def test_instances_run_a_models_batches_at_once(scheduled) -> None:
     assert set(results(scheduler.drain())) == {"i0", "i1", "i2"}
 
 
-@pytest.mark.parametrize("provider, copies", [("CPUExecutionProvider", 1), ("CUDAExecutionProvider", 3)])
-def test_instances_0_opens_three_copies_on_a_gpu_and_one_on_the_cpu(scheduled, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("provider, copies", [("CPUExecutionProvider", 1), ("CUDAExecutionProvider", 4)])
+def test_instances_0_opens_four_copies_on_a_gpu_and_one_on_the_cpu(scheduled, monkeypatch: pytest.MonkeyPatch,
                                                                   provider: str, copies: int) -> None:
-    """The default: three copies where the model runs on a GPU (this machine has none, so the
+    """The default: four copies where the model runs on a GPU (this machine has none, so the
     opened models are marked as CUDA's), and its lane runs them all; a repeated table keeps them."""
     real = servables.open_version
 

@@ -28,7 +28,7 @@ import onnxruntime as ort
 log = logging.getLogger(__name__)
 # The CUDA runtime that ONNX Runtime's CUDA provider links: loaded already once a CUDA session opened.
 CUDA_RUNTIME = "libcudart.so.13"
-# Batches of this many bytes or more are copied into place by COPY_THREADS threads.
+# Batches of this many bytes or more are copied into place by a BoundRunner's copy_threads.
 PARALLEL_COPY_BYTES = 4 << 20
 COPY_THREADS = min(os.cpu_count() or 1, 8)
 # A GraphRun's first replays, run alone: ONNX Runtime records the graph during one of them.
@@ -180,6 +180,7 @@ class BoundRunner:
         self.binding = session.io_binding()
         self.staging: dict[str, HostBuffer] = {}
         self.decoded: dict[str, HostBuffer] = {}
+        self.copy_threads = COPY_THREADS  # 1 where copies of the model run side by side (servables.py)
         self.graph_rows = graph_rows
         self.graph: GraphRun | None = None
         self.plain_options = graph_run_options(-1) if graph_rows else None
@@ -220,7 +221,9 @@ class BoundRunner:
         if decoded is not None and rows[0].dtype == dtype and decoded.holds(rows):
             return decoded.array[:len(rows)]
         batch = self.staging.setdefault(name, HostBuffer(self.device)).rows(len(rows), rows[0].shape, dtype)
-        step = -(-len(rows) // COPY_THREADS) if batch.nbytes >= PARALLEL_COPY_BYTES else len(rows)
+        if self.copy_threads == 1 or batch.nbytes < PARALLEL_COPY_BYTES:
+            return np.stack(rows, out=batch, casting="same_kind")
+        step = -(-len(rows) // self.copy_threads)
         list(_copy_pool().map(lambda start: np.stack(rows[start:start + step], out=batch[start:start + step], casting="same_kind"),
                               range(0, len(rows), step)))
         return batch

@@ -27,7 +27,7 @@ StageFunction = Callable[..., object]
 NAME_SHOWN = 100
 # Copies of a model on a GPU where `instances` is 0: their host work (decoding, copies into
 # place) overlaps the others' runs, which one copy alone leaves the card idle for.
-GPU_INSTANCES = 3
+GPU_INSTANCES = 4
 
 
 class RouteError(LookupError):
@@ -68,6 +68,8 @@ class InstancePool:
         self.free: queue.SimpleQueue[OnnxModel] = queue.SimpleQueue()
         for copy in copies:
             self.free.put(copy)
+            if len(copies) > 1 and copy.runner is not None:
+                copy.runner.copy_threads = 1  # copies side by side overlap their copies already
 
     @property
     def size(self) -> int:
