@@ -35,7 +35,7 @@ from typing import NoReturn
 import numpy as np
 import onnxruntime as ort
 from bench.images import image_settings, photo_jpeg
-from cluster_serving.config import KafkaConfig, ServingConfig, load_config
+from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.runtime.frames import (
     Source,
     read_result_frame,
@@ -57,6 +57,10 @@ from cluster_serving.wire.codec import decode_message
 from cluster_serving.wire.inputs import PROTOCOLS, encode_oip_request, encode_request, protocol_headers
 from cluster_serving.wire.open_inference import decode_answer
 
+# Turns of raw ORT and the stage each measurement takes (in_turns).
+ROUNDS = 4
+# Times requests for about the seconds given: (requests served, seconds taken).
+Timer = Callable[[float], tuple[int, float]]
 # Built-in models by name: the builder's module and function (imported when used: they need onnx).
 BUILDERS = {
     "mlp": ("cluster_serving.ops.sample_model", "build_sample_model"), "cnn": ("bench.models", "build_cnn"),
@@ -134,28 +138,44 @@ def model_file(name: str, folder: Path) -> Path:
 
 
 def measure(model: Path, label: str, kind: str, batch: int, args: argparse.Namespace) -> list[Row]:
-    """Raw ORT on the batch, and the stage on its requests, a row per model.instances value."""
+    """Raw ORT on the batch and the stage on its requests, timed in turns (ROUNDS of each), a row
+    per model.instances value."""
     session = open_session(model, args.device, args.threads, float16_bytes(model) if args.float16 else None, args.cuda_graph)
     spec = session.get_inputs()[0]
     shape = tuple(batch if not isinstance(dim, int) else dim for dim in spec.shape)
     samples = np.random.default_rng(0).random(shape, dtype=np.float32)
     runs = [samples[start:start + (args.run_size or batch)] for start in range(0, batch, args.run_size or batch)]
-    raw = raw_ort(session, spec.name, runs, args.seconds)
+    raw = raw_ort(session, spec.name, runs)
     if args.device != "cuda":
         bound = None
     elif args.cuda_graph:
-        bound = raw_ort_replayed(session, spec.name, samples, args.seconds)
+        bound = raw_ort_replayed(session, spec.name, samples)
     else:
-        bound = raw_ort_bound(session, spec.name, runs, args.seconds)
+        bound = raw_ort_bound(session, spec.name, runs)
     records, sources = requests(spec.name, kind, samples)
     rows = []
     for instances in _counts(args.model_instances):
         config = stage_config(model, spec.name, kind, shape, batch, instances, args)
-        stage, in_run, copies = serving_stage(config, records, sources, batch, args.seconds)
+        with ServingStage(config, records, sources, batch) as stage:
+            rates = in_turns([raw, stage.stream] if bound is None else [raw, bound, stage.stream], args.seconds)
+            in_run, copies = stage.in_run.seconds / stage.elapsed, stage.copies
         together = {count: stage_together(config, records, sources, batch, args, count) for count in _counts(args.instances)}
-        rows.append(Row(label, kind, batch, args.device, raw, bound, stage, in_run, args.run_size, together or None,
-                        args.instances_in, copies))
+        rows.append(Row(label, kind, batch, args.device, rates[0], rates[1] if bound else None, rates[-1], in_run, args.run_size,
+                        together or None, args.instances_in, copies))
     return rows
+
+
+def in_turns(timers: list[Timer], seconds: float) -> list[float]:
+    """Requests/s of each timer, timed for `seconds` in all, ROUNDS turns of each one after the
+    other: a machine whose speed drifts over seconds (a shared host's does) then slows or speeds
+    them alike, which one after the other it would not."""
+    done, elapsed = [0] * len(timers), [0.0] * len(timers)
+    for _ in range(ROUNDS):
+        for index, timer in enumerate(timers):
+            requests, took = timer(seconds / ROUNDS)
+            done[index] += requests
+            elapsed[index] += took
+    return [count / took for count, took in zip(done, elapsed)]
 
 
 def float16_bytes(model: Path) -> bytes:
@@ -163,14 +183,14 @@ def float16_bytes(model: Path) -> bytes:
     return rewrites.float16(rewrites.load(model)).SerializeToString()
 
 
-def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
-    """Requests/s of session.run on ready batches, one run per item of `runs` (outside any CUDA graph)."""
+def raw_ort(session: ort.InferenceSession, name: str, runs: list[np.ndarray]) -> Timer:
+    """session.run on ready batches, one run per item of `runs` (outside any CUDA graph)."""
     options = graph_run_options(-1)
-    return sum(map(len, runs)) / _per_call(lambda: [session.run(None, {name: rows}, options) for rows in runs], seconds)
+    return _calls(lambda: [session.run(None, {name: rows}, options) for rows in runs], sum(map(len, runs)))
 
 
-def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarray], seconds: float) -> float:
-    """Requests/s with inputs copied to the device once and outputs left there (I/O binding)."""
+def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarray]) -> Timer:
+    """Runs with inputs copied to the device once and outputs left there (I/O binding)."""
     bindings = []
     for rows in runs:
         binding = session.io_binding()
@@ -179,13 +199,13 @@ def raw_ort_bound(session: ort.InferenceSession, name: str, runs: list[np.ndarra
             binding.bind_output(output.name, "cuda", 0)
         bindings.append(binding)
     options = graph_run_options(-1)
-    return sum(map(len, runs)) / _per_call(lambda: [session.run_with_iobinding(binding, options) for binding in bindings], seconds)
+    return _calls(lambda: [session.run_with_iobinding(binding, options) for binding in bindings], sum(map(len, runs)))
 
 
-def raw_ort_replayed(session: ort.InferenceSession, name: str, batch: np.ndarray, seconds: float) -> float:
-    """Requests/s of a CUDA graph's replays, its inputs copied to the device once and outputs left there."""
+def raw_ort_replayed(session: ort.InferenceSession, name: str, batch: np.ndarray) -> Timer:
+    """A CUDA graph's replays, its inputs copied to the device once and outputs left there."""
     graph = GraphRun(session, {name: batch}, [output.name for output in session.get_outputs()], "cuda")
-    return len(batch) / _per_call(lambda: session.run_with_iobinding(graph.binding, graph.options), seconds)
+    return _calls(lambda: session.run_with_iobinding(graph.binding, graph.options), len(batch))
 
 
 def stage_config(model: Path, name: str, kind: str, shape: tuple[int, ...], batch: int, instances: int,
@@ -217,39 +237,76 @@ def requests(name: str, kind: str, samples: np.ndarray) -> tuple[list[tuple[str,
     return [(f"r{i}", encode_request(f"r{i}", {name: {"b64": base64.b64encode(photo_jpeg(row)).decode()}})) for i, row in enumerate(samples)], []
 
 
+class ServingStage:
+    """The job's serving path over a stream of the batch's frame. As in the job, this thread reads
+    each frame and hands it to the scheduler, the model runs on its lane (or at once, where quick),
+    and the batches done are encoded into results frames. Every result of a first frame is checked
+    to be one; `in_run` adds up the model's time inside session.run over the streams."""
+
+    def __init__(self, config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int):
+        self.config, self.batch = config, batch
+        self.server = BatchServer(config)
+        self.scheduler = Scheduler(self.server)
+        self.scheduler.submit(decode_frame(write_control_frame(RoutingTable.of(scan(config)).text()), config.limits))
+        served, version = self.server.servables.resolve("", "")
+        self.frame = (None if sources else write_alike_frame("", "", records)) or write_batch_frame("", "", records, sources or None)
+        results = [decode_answer(bytes(payload)) or decode_message(bytes(payload), 64 << 20)
+                   for _, payload in read_result_frame(self._encoded(self._submit() + self.scheduler.drain()))]
+        errors = [result.error for result in results if result.error]
+        if len(results) != batch or errors:
+            self.close()
+            fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
+        self.copies = served.pools[version].size
+        self.in_run = _RunTime()
+        for model in served.pools[version].copies:
+            for method in ("run", "run_with_iobinding"):  # the host path runs, the device path runs bound
+                setattr(model.session, method, self.in_run.timed(getattr(model.session, method)))
+        self.elapsed = 0.0
+
+    def __enter__(self) -> ServingStage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.server.close()
+
+    def stream(self, seconds: float) -> tuple[int, float]:
+        """(requests served, seconds taken): frames submitted for `seconds`, then every batch
+        held finished, after a warm-up of three; each batch done encoded as the job encodes it."""
+        for _ in range(3):
+            self._encoded(self._submit())
+        self._encoded(self.scheduler.drain())
+        self.in_run.counting = True
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds or done < 3:
+            finished = self._submit()
+            self._encoded(finished)
+            done += len(finished)
+        finished = self.scheduler.drain()
+        self._encoded(finished)
+        elapsed = time.perf_counter() - started
+        self.in_run.counting = False
+        self.elapsed += elapsed
+        return (done + len(finished)) * self.batch, elapsed
+
+    def _submit(self) -> list[Done]:
+        return self.scheduler.submit(decode_frame(self.frame, self.config.limits))
+
+    def _encoded(self, done: list[Done]) -> bytes:
+        """The results frame of the batches done, as the job's EncodeResults writes it."""
+        return batches_frame([(item.outcomes, dead_letters(item.batch, item.outcomes, self.config.kafka), item.batch.answers)
+                              for item in done])
+
+
 def serving_stage(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
-                  seconds: float) -> tuple[float, float, int]:
-    """Requests/s of the job's serving path over a stream of the batch's frame, the model's time
-    inside session.run as a share of it (over 100% where its copies run at once), and its copies. As in
-    the job, this thread reads each frame and hands it to the scheduler, the model runs on its
-    lane (or at once, where quick), and the batches done are encoded into results frames. Every
-    result of a first frame is checked to be one."""
-    server = BatchServer(config)
-    scheduler = Scheduler(server)
-    scheduler.submit(decode_frame(write_control_frame(RoutingTable.of(scan(config)).text()), config.limits))
-    served, version = server.servables.resolve("", "")
-    frame = (None if sources else write_alike_frame("", "", records)) or write_batch_frame("", "", records, sources or None)
-    results = [decode_answer(bytes(payload)) or decode_message(bytes(payload), 64 << 20)
-               for _, payload in read_result_frame(_encoded(scheduler.submit(decode_frame(frame, config.limits)) + scheduler.drain(), config.kafka))]
-    errors = [result.error for result in results if result.error]
-    if len(results) != batch or errors:
-        fail(f"the stage answered {len(results)} results for {batch} requests, {len(errors)} errors {errors[:1]}")
-    in_run = _RunTime()
-    for model in served.pools[version].copies:
-        for method in ("run", "run_with_iobinding"):  # the host path runs, the device path runs bound
-            setattr(model.session, method, in_run.timed(getattr(model.session, method)))
-    try:
-        done, elapsed = _timed_stream(lambda: scheduler.submit(decode_frame(frame, config.limits)), scheduler.drain,
-                                      lambda finished: _encoded(finished, config.kafka), seconds, in_run.reset)
-    finally:
-        scheduler.close()
-        server.close()
-    return done * batch / elapsed, in_run.seconds / elapsed, served.pools[version].size
-
-
-def _encoded(done: list[Done], kafka: KafkaConfig) -> bytes:
-    """The results frame of the batches done, as the job's EncodeResults writes it."""
-    return batches_frame([(item.outcomes, dead_letters(item.batch, item.outcomes, kafka), item.batch.answers) for item in done])
+                  seconds: float) -> float:
+    """Requests/s of one ServingStage's stream of `seconds` (a process or thread of stage_together)."""
+    with ServingStage(config, records, sources, batch) as stage:
+        served, elapsed = stage.stream(seconds)
+    return served / elapsed
 
 
 class _RunTime:
@@ -258,10 +315,7 @@ class _RunTime:
     def __init__(self):
         self.lock = threading.Lock()
         self.seconds = 0.0
-
-    def reset(self) -> None:
-        with self.lock:
-            self.seconds = 0.0
+        self.counting = False  # True while a stream is timed
 
     def timed(self, call: Callable[..., object]) -> Callable[..., object]:
         def timed(*args, **kwargs):
@@ -270,27 +324,9 @@ class _RunTime:
                 return call(*args, **kwargs)
             finally:
                 with self.lock:
-                    self.seconds += time.perf_counter() - started
+                    self.seconds += (time.perf_counter() - started) if self.counting else 0.0
 
         return timed
-
-
-def _timed_stream(submit: Callable[[], list[Done]], drain: Callable[[], list[Done]], encode: Callable[[list[Done]], bytes],
-                  seconds: float, reset: Callable[[], object]) -> tuple[int, float]:
-    """Batches done and seconds taken: frames submitted for `seconds`, then every batch held
-    finished, after a warm-up of three; each batch done encoded as the job encodes it."""
-    for _ in range(3):
-        encode(submit())
-    encode(drain())
-    reset()
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds or done < 3:
-        finished = submit()
-        encode(finished)
-        done += len(finished)
-    finished = drain()
-    encode(finished)
-    return done + len(finished), time.perf_counter() - started
 
 
 def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], sources: list[Source], batch: int,
@@ -299,22 +335,26 @@ def stage_together(config: ServingConfig, records: list[tuple[str, bytes]], sour
     (in processes or threads, as args.instances_in says), added up."""
     pool = multiprocessing.get_context("spawn").Pool(count) if args.instances_in == "processes" else ThreadPool(count)
     with pool:
-        return sum(rate for rate, *_ in pool.starmap(serving_stage, [(config, records, sources, batch, args.seconds)] * count))
+        return sum(pool.starmap(serving_stage, [(config, records, sources, batch, args.seconds)] * count))
 
 
 def _counts(text: str) -> list[int]:
     return [int(count) for count in text.split(",") if count]
 
 
-def _per_call(call: Callable[[], object], seconds: float) -> float:
-    """Seconds per call, over `seconds` after a warm-up of three calls."""
+def _calls(call: Callable[[], object], requests: int) -> Timer:
+    """A Timer of `call` (serving `requests` each time), after a warm-up of three calls."""
     for _ in range(3):
         call()
-    count, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < seconds or count < 3:
-        call()
-        count += 1
-    return elapsed / count
+
+    def timer(seconds: float) -> tuple[int, float]:
+        count, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds or count < 3:
+            call()
+            count += 1
+        return count * requests, elapsed
+
+    return timer
 
 
 def fail(message: str) -> NoReturn:
