@@ -26,7 +26,10 @@ requests), all measured in this run on this machine:
    (send -> result read) of requests paced at half that capacity, at most LATENCY_MAX_RATE (or
    --rate), for --latency-seconds, after 30 s at that rate untimed;
    the paced sender and the reader are librdkafka clients (bench/kafka_load.py), which leave the
-   cores to the job, and the job's share is told apart by the broker's append times;
+   cores to the job, and the job's share is told apart by the broker's append times; after the
+   HTTP phases, the job restarted in its JVM as `cluster-serving restart` does it: its capacity
+   right after (restart_drain), then, restarted again, paced from its start for
+   --first-minute-seconds, and last a new JVM's job (a stop, then a start) paced so too;
 4. HTTP: for each of --http-clients, that many clients each sending one-instance POST /predict
    requests over a kept-alive connection to the bridge for --http-seconds, after 2 s untimed:
    throughput and latency as they see them;
@@ -311,15 +314,17 @@ def client_rate(method: str, model: BenchModel, count: int, send: Callable[[], N
 
 
 def enqueue_batch_all(config: ServingConfig, uris: list[str], name: str, samples: np.ndarray,
-                      protocol: str = "native", transactional_id: str | None = None) -> None:
+                      protocol: str = "native", transactional_id: str | None = None,
+                      before_commit: Callable[[], None] = lambda: None) -> None:
     """One request per uri (input `name`, cycling through `samples`) through one enqueue_batch
     call, in `protocol` (InputQueue's; in the OIP ones each a batch of one); with a
-    `transactional_id`, all in one Kafka transaction."""
+    `transactional_id`, all in one Kafka transaction, committed once `before_commit` returns."""
     batch = (lambda sample: sample) if protocol == "native" else (lambda sample: sample[np.newaxis])
     kafka = {"transactional_id": transactional_id} if transactional_id else {}
     with InputQueue(config.kafka.bootstrap_servers, config.kafka.input_topic, protocol=protocol, **kafka) as inputs, \
             inputs.transaction() if transactional_id else contextlib.nullcontext():
         inputs.enqueue_batch((uri, {name: batch(samples[i % len(samples)])}) for i, uri in enumerate(uris))
+        before_commit()
 
 
 def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
@@ -369,22 +374,40 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                                    config.batching.batch_size)}
 
 
-def first_minute(config: ServingConfig, model: BenchModel, samples: np.ndarray, rate: float, folder: Path,
-                 args: argparse.Namespace) -> dict[str, Any]:
-    """The job started again (a new JVM, resuming from the last one's final savepoint) and paced at
+def restart_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
+                  samples: np.ndarray, uris: list[str]) -> float:
+    """The drain right after `cluster-serving restart` (a final savepoint, then the job again in
+    its JVM): the backlog goes on the input topic in one transaction, committed once every task of
+    the restarted job runs, so that the new job meets all of it as it starts; timed like the drain
+    right after start, from the result past the first tenth to the last."""
+    progress(model.name, f"a backlog of {len(uris)} requests, committed once the job restarted in its JVM runs ...")
+    before = reader.written()
+    enqueue_batch_all(config, uris, model.input_name, samples, transactional_id=f"cs-bench-restart-{model.name}",
+                      before_commit=job.restart)
+    end = before + len(uris)
+    if not reader.wait_for(end, lambda: job.running, DRAIN_TIMEOUT_S):
+        raise no_results(job, end)
+    reader.read_until(uris, timeout=300)
+    return reader.drain_rate(before + len(uris) // 10, end)
+
+
+def first_minute(config: ServingConfig, model: BenchModel, samples: np.ndarray, rate: float, args: argparse.Namespace,
+                 how: str, start: Callable[[], object]) -> dict[str, Any]:
+    """The job started again by `start` (resuming from the last job's final savepoint) and paced at
     `rate` from the moment its tasks run, for --first-minute-seconds: latency per FIRST_MINUTE_WINDOW_S,
-    what users see of JIT compilation, class loading and the first checkpoints after a restart."""
-    uris = [f"restart-{i}" for i in range(round(rate * args.first_minute_seconds))]
-    progress(model.name, f"the job started again, paced at {rate:,.0f} req/s from its start for "
+    what users see of JIT compilation, class loading and the first checkpoints after a restart, and
+    how long `start` took to have every task running."""
+    uris = [f"{how}-{i}" for i in range(round(rate * args.first_minute_seconds))]
+    progress(model.name, f"the job started again ({how}), paced at {rate:,.0f} req/s from its start for "
                          f"{args.first_minute_seconds:g} s ...")
     reader = ResultReader(config.kafka.bootstrap_servers, config.kafka.result_topic, from_end=True)
-    job = EmbeddedJob(config.source, config.flink.rest_port, folder / f"job-restarted-{model.name}.log")
     try:
-        job.start()
+        called = time.perf_counter()
+        start()
+        seconds = time.perf_counter() - called
         figures = paced_latency(config, reader, model, samples, rate, [], uris, FIRST_MINUTE_WINDOW_S)
-        return {**figures, "missing": sum(uri not in reader.arrivals for uri in uris)}
+        return {**figures, "start_seconds": seconds, "missing": sum(uri not in reader.arrivals for uri in uris)}
     finally:
-        job.stop()
         reader.close()
 
 
@@ -458,10 +481,17 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         served = http_phases(model, config_path, folder, samples, args)
         progress(model.name, "raw ONNX Runtime (3 of 3) ...")
         raw.append(raw_rates(session, raw_sizes))
+        after_restart = [f"after-restart-{i}" for i in range(len(backlog))]
+        capacity_after_restart = restart_drain(config, reader, job, model, samples, after_restart)
+        restarted = first_minute(config, model, samples, rate, args, "restarted", job.restart) if args.first_minute_seconds else None
     finally:
         job.stop()
         reader.close()
-    restarted = first_minute(config, model, samples, rate, folder, args) if args.first_minute_seconds else None
+    new_jvm = EmbeddedJob(config_path, config.flink.rest_port, folder / f"job-new-jvm-{model.name}.log")
+    try:
+        started_again = first_minute(config, model, samples, rate, args, "new-jvm", new_jvm.start) if args.first_minute_seconds else None
+    finally:
+        new_jvm.stop()
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in running if uri in arrivals]
     return {
@@ -482,16 +512,19 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "protocol_drains": {protocol: {"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
                             for protocol, (_, rate, bound, cpu) in protocol_drains.items()},
         "capacity_at_start": capacity_at_start,
+        "capacity_after_restart": capacity_after_restart,
         "job_cpu_us_per_request": cpu_us,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
         "batches": batch_stats(sizes, args.batch_size),
         "latency": latency,
-        "first_minute": restarted,
+        "first_minute_restarted": restarted,
+        "first_minute_new_jvm": started_again,
         "http": served,
         "missing": sum(uri not in arrivals for uri in warmup + backlog + paced_warmup + paced)
         + sum(uri not in arrivals for uris, *_ in drains for uri in uris)
         + sum(uri not in arrivals for uris, *_ in protocol_drains.values() for uri in uris)
-        + (restarted["missing"] if restarted else 0),
+        + sum(uri not in arrivals for uri in after_restart)
+        + sum(figures["missing"] for figures in (restarted, started_again) if figures),
         "errors": sum(arrival.error for arrival in arrivals.values()),
     }
 

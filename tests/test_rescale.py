@@ -97,6 +97,7 @@ def test_rescale_1_2_4_1_with_restart_under_exactly_once_loses_and_repeats_nothi
     print(json.dumps({"runs": runs} | figures))
     assert [run["subtasks"] for run in runs] == [[1], [2], [4], [1]]
     assert output.count("restarting the job: a final savepoint") == 3, output[-3000:]
+    assert output.count("restarting the job in this JVM") == 3, output[-3000:]  # not a new process
     assert output.count("resuming from the retained savepoint") == 3, output[-3000:]
     answered = [run["results when the next ran"] for run in runs]
     assert 0 < answered[0] < answered[1] < answered[2] < answered[3] == REQUESTS, f"a run served nothing, or results repeat: {answered}"

@@ -12,6 +12,7 @@ error the way the docs and users' scripts quote it (both bounds of a range, the 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
@@ -47,6 +48,9 @@ DEFAULT_CONFIG_PATH = Path(__file__).with_name("config.yaml")
 KAFKA_RECORD_BYTES = 20 * 1024 * 1024
 # The Flink job's name: the HTTP bridge and the CLI find the running job by it.
 JOB_NAME = "cluster-serving"
+# What restarts the job from a final savepoint: `cluster-serving restart` sends it to a `start`
+# process, which passes it on to its job process, which runs the new job in the same JVM.
+RESTART_SIGNAL = signal.SIGUSR1
 # The folder of the job's final savepoints, inside flink.checkpoint_dir (cluster_serving/job/recovery.py).
 SAVEPOINTS = "savepoints"
 # Mappings whose keys are the user's (property names, input names): a file replaces them whole.

@@ -28,7 +28,7 @@ from pyflink.java_gateway import get_gateway
 if __package__ in (None, ""):  # `flink run -py cluster_serving/job/main.py` runs this file as a plain script
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig, load_config  # noqa: E402
+from cluster_serving.config import JOB_NAME, RESTART_SIGNAL, ConfigError, ServingConfig, load_config  # noqa: E402
 from cluster_serving.config.command_line import config_parser  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
 from cluster_serving.job.control_key import control_key  # noqa: E402
@@ -175,6 +175,12 @@ def prepare_process_environment(config: ServingConfig) -> str:
     # PyFlink starts a gRPC "loopback" worker pool on all interfaces ([::]) for local jobs, used
     # only by process mode. Thread mode never calls it; this (PyFlink's own switch) skips it.
     os.environ["_python_worker_execution_mode"] = "process"
+    # The jars go on the embedded JVM's class path (PyFlink appends HADOOP_CLASSPATH to it) rather
+    # than with each job: a job's own class loader makes new classes of them, which the JIT compiles
+    # anew, and a job restarted in this JVM (run) would start on cold code.
+    jars = os.pathsep.join(str(jar) for jar in pipeline_jars(config.flink))
+    if not submitted_by_flink_cli() and jars not in os.environ.get("HADOOP_CLASSPATH", ""):
+        os.environ["HADOOP_CLASSPATH"] = os.pathsep.join(filter(None, [os.environ.get("HADOOP_CLASSPATH"), jars]))
     # PyFlink starts the embedded cluster's JVM with JVM_ARGS (Flink's scripts' variable); ours follow the caller's.
     if config.flink.jvm_options:
         os.environ["JVM_ARGS"] = " ".join([os.environ.get("JVM_ARGS", ""), *config.flink.jvm_options]).strip()
@@ -204,7 +210,8 @@ def create_environment(config: ServingConfig, resume_from: Path | None, checkpoi
     env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, resume_from))
     configure_logging()
     log.info("Flink log folder: %s", log_dir)
-    env.add_jars(*(jar.as_uri() for jar in pipeline_jars(config.flink)))
+    if submitted_by_flink_cli():  # embedded, they are on the JVM's class path (prepare_process_environment)
+        env.add_jars(*(jar.as_uri() for jar in pipeline_jars(config.flink)))
     env.set_parallelism(config.flink.parallelism)
     if checkpoints:
         env.enable_checkpointing(config.flink.checkpoint_interval_ms)
@@ -231,10 +238,9 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def run(config: ServingConfig, repository: Repository, fresh: bool = False, infer: InferStage = infer_stage) -> int:
-    """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
-    final savepoint) or until the job ends by itself, polling the model repository meanwhile;
-    returns the exit code."""
+def submit(config: ServingConfig, repository: Repository, fresh: bool, infer: InferStage) -> tuple[JobClient, RepositoryWatch, bool]:
+    """Builds and submits the job; returns its client, the watch of what it was told to serve, and
+    whether this process stays attached to it (under `flink run --detached` it does not)."""
     table = RoutingTable.of(repository)
     key = control_key(config.flink.checkpoint_dir)
     env = create_environment(config, resume_point(config, fresh))
@@ -249,24 +255,79 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     # A job restored from a checkpoint keeps the table it checkpointed for the requests it reads
     # again; this record, after them in the log, switches it to the repository as it is now.
     send_table(config, table, key)
-    if not attached(env):
+    return client, RepositoryWatch(config, repository, table, key), attached(env)
+
+
+class Signals:
+    """What signals asked of this process: to stop (SIGINT, SIGTERM) or to restart its job
+    (RESTART_SIGNAL); a stop wins. A handler only sets a flag: interrupting a py4j call
+    mid-flight would log a traceback."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.stop = self.restart = False
+        for signum in (signal.SIGINT, signal.SIGTERM, RESTART_SIGNAL):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if signum == RESTART_SIGNAL:
+            self.restart = True
+        else:
+            self.stop = True
+        self.asked.set()
+
+    def clear(self) -> None:
+        self.restart = False
+        self.asked.clear()
+
+
+def run(config: ServingConfig, repository: Repository, fresh: bool = False, infer: InferStage = infer_stage) -> int:
+    """Submits the job and, unless detached, serves until Ctrl-C/SIGTERM (then stops it with a
+    final savepoint) or until the job ends by itself, polling the model repository meanwhile;
+    returns the exit code. RESTART_SIGNAL stops the job with a final savepoint and submits it
+    again from there, as the config file reads now, in this process: the new job runs in the
+    same JVM, on the code its JIT compiled for the last (docs/operations.md)."""
+    client, watch, stays = submit(config, repository, fresh, infer)
+    if not stays:
         return 0
-    watch = RepositoryWatch(config, repository, table, key)
+    signals = Signals()
+    while True:
+        if not serve(client, config, watch, signals):
+            return 1
+        stop_with_savepoint(client, config.flink.savepoint_dir)
+        if signals.stop:
+            return 0
+        signals.clear()
+        log.info("restarting the job in this JVM with %s", config.source or "the default config")
+        config = load_config(config.source)
+        if not submitted_by_flink_cli():
+            await_closed_cluster(config.flink.rest_port)
+        repository = preflight(config)
+        client, watch, _ = submit(config, repository, False, infer)
+
+
+def await_closed_cluster(rest_port: int, timeout_s: float = 30.0) -> None:
+    """The embedded MiniCluster of a stopped job closes after the job has ended, its REST port
+    last: the next job's cluster binds the same port, so a restart waits for it (preflight then
+    says if something else holds it)."""
+    deadline = time.monotonic() + timeout_s
+    while rest_port and port_taken("127.0.0.1", rest_port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def serve(client: JobClient, config: ServingConfig, watch: RepositoryWatch, signals: Signals) -> bool:
+    """Polls the job and the model repository until a signal asks for something (True) or the
+    job ends by itself (False)."""
     polled = time.monotonic()
-    # A signal only sets a flag: interrupting a py4j call mid-flight would log a traceback.
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    while not stop.wait(1.0):
+    while not signals.asked.wait(1.0):
         status = client.get_job_status().result()
         if status.is_globally_terminal_state():
             log.error("job %s ended: %s (see the Flink log)", client.get_job_id(), status.name)
-            return 1
+            return False
         if config.models.poll_interval_s and time.monotonic() - polled >= config.models.poll_interval_s:
             watch.poll()
             polled = time.monotonic()
-    stop_with_savepoint(client, config.flink.savepoint_dir)
-    return 0
+    return True
 
 
 def stop_with_savepoint(client: JobClient, folder: Path) -> None:
@@ -289,6 +350,8 @@ def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
     args = parser.parse_args(argv)
     configure_logging()
+    # Until run() handles it, a restart asked for while the job starts is dropped (its default would end this process).
+    signal.signal(RESTART_SIGNAL, signal.SIG_IGN)
 
     def serve() -> int:
         config = load_config(args.config)

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from cluster_serving.config import RESTART_SIGNAL, ConfigError, load_config
 from cluster_serving.http.server import READY_LINE
 from cluster_serving.net.flink_rest import FlinkRest
 from cluster_serving.ops.broker_security import BrokerSecurity
@@ -262,6 +263,7 @@ class EmbeddedJob(ChildProcess):
         self.rest_port = rest_port
         self.flink = FlinkRest(f"http://127.0.0.1:{rest_port}")
         self.job_id = ""
+        self.jvm_options: tuple[str, ...] | None = None
 
     def start(self, timeout: float = 120.0) -> EmbeddedJob:
         """Returns once every task of the job is RUNNING."""
@@ -275,12 +277,43 @@ class EmbeddedJob(ChildProcess):
             raise
         return self
 
-    def restart(self, stop_timeout: float = 120.0) -> None:
-        """Stops the job with its final savepoint and spawns it again, resuming from that savepoint
-        (never fresh) with the config file as it reads now: a new flink.parallelism, say."""
-        self.stop(stop_timeout)
-        self.args = _config_args(self.config_path)
-        self.spawn()
+    def spawn(self) -> None:
+        self.jvm_options = self._jvm_options()
+        super().spawn()
+
+    def restart(self, timeout: float = 120.0) -> None:
+        """Restarts the job from a final savepoint with the config file as it reads now (a new
+        flink.parallelism, say), the job process in its own JVM, on the code the JIT compiled for
+        the job before. New flink.jvm_options need a new JVM: the process is stopped and spawned
+        again (never fresh). With a log, returns once every task of the new job runs."""
+        assert self.process is not None
+        if self._jvm_options() != self.jvm_options:
+            self.stop(timeout)
+            self.args = _config_args(self.config_path)
+            if self.inherit_output:
+                self.spawn()
+            else:
+                self.start(timeout)
+            return
+        submitted = len(self.ready_pattern.findall(self.log_text()))
+        os.kill(self.process.pid, RESTART_SIGNAL)  # the Python process alone: not its JVM
+        if self.inherit_output:
+            return
+        deadline = time.monotonic() + timeout
+        while len(matches := self.ready_pattern.findall(self.log_text())) == submitted:
+            if not self.running or time.monotonic() > deadline:
+                raise self._failed("did not submit its job again" if self.running else "ended while restarting its job")
+            time.sleep(0.1)
+        self.job_id = matches[-1]
+        self.flink.wait_until_running(self.job_id, deadline - time.monotonic())
+
+    def _jvm_options(self) -> tuple[str, ...] | None:
+        """flink.jvm_options as the config file reads now; None when it cannot be read (the job
+        process says why when it restarts)."""
+        try:
+            return load_config(self.config_path).flink.jvm_options
+        except ConfigError:
+            return None
 
     @property
     def web_ui(self) -> str:

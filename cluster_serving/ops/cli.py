@@ -7,7 +7,8 @@
     cluster-serving status [-c CONFIG]         the job's state, input lag, throughput, web UI address
     cluster-serving stop [-c CONFIG]           stops what `start` or `demo` started (final savepoint first)
     cluster-serving restart [-c CONFIG]        the job of `start` again from a final savepoint, as the config
-                                               now says (a new flink.parallelism: a rescale); the bridge serves on
+                                               now says (a new flink.parallelism: a rescale), in the same JVM
+                                               (new flink.jvm_options: a new one); the bridge serves on
     cluster-serving http [-c CONFIG]           the HTTP bridge alone
     cluster-serving cluster up|submit|stop|status|down
                                                a local standalone Flink cluster, and the job on it
@@ -36,12 +37,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster_serving.config import DEFAULT_CONFIG_PATH, JOB_NAME, ConfigError, ServingConfig, load_config
+from cluster_serving.config import DEFAULT_CONFIG_PATH, JOB_NAME, RESTART_SIGNAL, ConfigError, ServingConfig, load_config
 from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import ChildFailed, ChildProcess, EmbeddedJob, HttpBridge, supervise
 from cluster_serving.ops.demo import run_demo
-from cluster_serving.ops.instances import RESTART_SIGNAL, Instance, claim, commands_for, find_instance, stop_instance
+from cluster_serving.ops.instances import Instance, claim, commands_for, find_instance, stop_instance
 from cluster_serving.ops.local_broker import BrokerError
 from cluster_serving.ops.operations import broker_address, check_start, restart_job, start_local_broker, status_lines
 from cluster_serving.ops.sample_model import build_sample_model
@@ -305,7 +306,8 @@ def parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
 
     restart = command("restart", "restart the job of a running `start` with its config as the file now says "
-                      "(a new flink.parallelism: a rescale), from a final savepoint; the bridge serves on", cmd_restart)
+                      "(a new flink.parallelism: a rescale), from a final savepoint, in the same JVM (new "
+                      "flink.jvm_options: a new one); the bridge serves on", cmd_restart)
     restart.add_argument("--config", "-c", help=FIND_HELP)
     restart.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the job to run again")
 

@@ -23,9 +23,6 @@ from cluster_serving.ops.processes import pid_alive
 RECORD_FILE = ".cluster-serving.json"
 # The folder of links to live instances' records; the tests give it a folder of their own.
 REGISTRY_ENV = "CLUSTER_SERVING_RUN_DIR"
-# What `cluster-serving restart` sends a `start` process: restart the job, the bridge serving on.
-RESTART_SIGNAL = signal.SIGUSR1
-
 
 @dataclass(frozen=True)
 class Instance:

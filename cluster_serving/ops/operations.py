@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cluster_serving.config import JOB_NAME, ConfigError, ServingConfig
+from cluster_serving.config import JOB_NAME, RESTART_SIGNAL, ConfigError, ServingConfig
 from cluster_serving.jvm import find_java, pipeline_jars
 from cluster_serving.kafka.admin import (
     broker_problem,
@@ -26,7 +26,7 @@ from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.net.flink_rest import FlinkRest, FlinkRestError
 from cluster_serving.net.ports import port_taken
 from cluster_serving.ops.children import LocalBroker
-from cluster_serving.ops.instances import RESTART_SIGNAL, Instance, commands_for
+from cluster_serving.ops.instances import Instance, commands_for
 from cluster_serving.ops.local_broker import kafka_version
 from cluster_serving.ops.processes import listener_of, pid_alive
 from cluster_serving.runtime.repository import check_stages
