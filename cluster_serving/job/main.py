@@ -292,7 +292,7 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         return 0
     signals = Signals()
     while True:
-        if not serve(client, config, watch, signals):
+        if not serve_until_asked(client, config, watch, signals):
             return 1
         stop_with_savepoint(client, config.flink.savepoint_dir)
         if signals.stop:
@@ -315,7 +315,7 @@ def await_closed_cluster(rest_port: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def serve(client: JobClient, config: ServingConfig, watch: RepositoryWatch, signals: Signals) -> bool:
+def serve_until_asked(client: JobClient, config: ServingConfig, watch: RepositoryWatch, signals: Signals) -> bool:
     """Polls the job and the model repository until a signal asks for something (True) or the
     job ends by itself (False)."""
     polled = time.monotonic()
