@@ -50,7 +50,7 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
         assert submitted.returncode == 0, submitted.stdout + submitted.stderr
         job_id = submitted.stdout.split()[1]
         assert f", starting from the committed offsets of group {config.kafka.group_id}" in submitted.stdout
-        assert cluster.rest.job(job_id)["state"] == "RUNNING"
+        assert cluster.rest.state(job_id) == "RUNNING"
 
         status = cluster_command("status", "--dir", str(folder))
         assert status.returncode == 0
@@ -64,7 +64,7 @@ def test_cluster_up_submit_status_down_serves_requests(tmp_path: Path, write_con
         stopped = cluster_command("stop", "--dir", str(folder), "-c", str(path))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert f"job {job_id} stopped with a final savepoint" in stopped.stdout
-        assert cluster.rest.job(job_id)["state"] == "FINISHED"
+        assert cluster.rest.state(job_id) == "FINISHED"
         again = cluster_command("stop", "--dir", str(folder), "-c", str(path))
         assert again.returncode == 2 and again.stderr.startswith("error: no running cluster-serving job to stop")
         resubmitted = cluster_command("submit", "--dir", str(folder), "-c", str(path))
@@ -129,7 +129,7 @@ def test_a_taskmanager_sigkilled_mid_stream_loses_nothing(tmp_path: Path, write_
         assert after, "nothing was answered after the kill"
         history = cluster.rest.get(f"/jobs/{job_id}/exceptions")
         assert history["exceptionHistory"]["entries"], "the job saw no failure: the kill tested nothing"
-        assert cluster.rest.job(job_id)["state"] == "RUNNING"
+        assert cluster.rest.state(job_id) == "RUNNING"
 
 
 def job_data_ports(cluster: StandaloneCluster, job_id: str) -> set[int]:

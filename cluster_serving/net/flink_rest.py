@@ -63,8 +63,20 @@ class FlinkRest:
         return list(self.get("/jobs/overview").get("jobs", []))
 
     def job(self, job_id: str) -> dict[str, Any]:
-        """One job's details: its state and its vertices' states."""
+        """One job's details: its vertices (name, parallelism, metrics). The REST API answers them
+        from a copy it keeps for web.refresh-interval (Flink's default 3 s): for states as they
+        are now, ask overview() or state()."""
         return self.get(f"/jobs/{job_id}")
+
+    def overview(self, job_id: str) -> dict[str, Any] | None:
+        """The job's line of /jobs/overview, as it is now: its state, and how many of its tasks
+        are in each state; None while the cluster does not know the job."""
+        return next((job for job in self.jobs() if job.get("jid") == job_id), None)
+
+    def state(self, job_id: str) -> str | None:
+        """The job's state now (RUNNING, FINISHED, ...), None while the cluster does not know it."""
+        job = self.overview(job_id)
+        return job and job["state"]
 
     def find_job(self, name: str) -> dict[str, Any] | str:
         """The running (else the newest) job called `name`, or a sentence saying why there is none:
@@ -86,15 +98,15 @@ class FlinkRest:
         state = "unknown"
         while time.monotonic() < deadline:
             try:
-                job = self.job(job_id)
+                job = self.overview(job_id)
             except FlinkRestError:
-                time.sleep(POLL_S)
-                continue
-            state = job["state"]
-            if state in TERMINAL_STATES:
-                raise RuntimeError(f"job {job_id} is {state}")
-            if state == "RUNNING" and all(vertex["status"] == "RUNNING" for vertex in job["vertices"]):
-                return
+                job = None
+            if job is not None:
+                state, tasks = job["state"], job["tasks"]
+                if state in TERMINAL_STATES:
+                    raise RuntimeError(f"job {job_id} is {state}")
+                if state == "RUNNING" and tasks["running"] == tasks["total"]:
+                    return
             time.sleep(POLL_S)
         raise RuntimeError(f"job {job_id} not running after {timeout_s:.0f} s (state {state})")
 
@@ -106,7 +118,7 @@ class FlinkRest:
 
     def _wait_until_ended(self, job_id: str, deadline: float) -> None:
         while time.monotonic() < deadline:
-            if self.job(job_id)["state"] in TERMINAL_STATES:
+            if self.state(job_id) in TERMINAL_STATES:
                 return
             time.sleep(POLL_S)
         raise RuntimeError(f"job {job_id} has not ended in time")
