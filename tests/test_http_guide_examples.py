@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,10 @@ def test_image_bomb_through_the_bridge_is_a_400_and_the_job_keeps_serving(tmp_pa
         url = bridge.start().url
         refused = http_call(f"{url}/predict", {"instances": [{"image": {"b64": bomb}}]})
         served = http_call(f"{url}/predict", example.body)
-        restarts = job.rest(f"/jobs/{job.job_id}/metrics?get=numRestarts")
+        # The REST API lists a job's metrics once it has fetched them, seconds after the job runs.
+        deadline = time.monotonic() + 30
+        while not (restarts := job.rest(f"/jobs/{job.job_id}/metrics?get=numRestarts")) and time.monotonic() < deadline:
+            time.sleep(1)
         history = job.rest(f"/jobs/{job.job_id}/exceptions")["exceptionHistory"]["entries"]
     finally:
         bridge.stop()
