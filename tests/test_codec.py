@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from cluster_serving.wire.codec import DecodeError, EncodedImage, Message, SparseTensor, TooLarge, decode_message, encode_message
+from cluster_serving.wire.codec import (
+    DecodeError, EncodedImage, Message, Served, SparseTensor, TooLarge, decode_message, encode_message, encode_rows,
+)
 from cluster_serving.wire.inputs import encode_alike_requests, encode_by_kind
 from cluster_serving.wire.v1 import END_OF_STREAM, _field, _table
 from cluster_serving.wire.v2 import V2_MAGIC
@@ -260,6 +262,20 @@ def test_version_2_result_fields_round_trip_and_layouts_are_shared() -> None:
     decoded = decode_message(payloads[1], LIMIT)
     assert (decoded.uri, decoded.batch_size, decoded.inference_us) == ("r1", 2, 7)
     assert decoded.tensors["p"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("outputs", [
+    {"p": np.arange(6, dtype=np.float32).reshape(2, 3)},
+    {"p": np.arange(6, dtype=np.float32).reshape(2, 3), "label": np.array([["a"], ["b"]], dtype=object)},
+], ids=["numbers", "with strings"])
+def test_rows_of_a_batch_say_how_they_were_served(outputs: dict[str, np.ndarray]) -> None:
+    """encode_rows: every row carries the batch's size, time, model and version, whether the rows
+    share a layout (numbers) or go message by message (strings)."""
+    served = Served(batch_size=2, inference_us=7, model="m", model_version=3)
+    decoded = [decode_message(payload, LIMIT) for payload in encode_rows(["r0", "r1"], outputs, served)]
+    assert [(row.uri, row.batch_size, row.inference_us, row.model, row.model_version, row.error_code) for row in decoded] == [
+        ("r0", 2, 7, "m", 3, None), ("r1", 2, 7, "m", 3, None)]
+    assert decoded[1].tensors["p"].tolist() == [3.0, 4.0, 5.0]
 
 
 def test_refuses_truncated_and_oversized() -> None:

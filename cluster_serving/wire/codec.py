@@ -63,7 +63,7 @@ def encode_rows(uris: list[str], tensors: dict[str, np.ndarray], served: Served 
     if v2.carries(tensors):
         return v2.encode_rows(uris, tensors, served)
     return [
-        encode_message(Message(uri, {name: value[i] for name, value in tensors.items()}, None, *served[:2], None,
-                               *served[2:]))
+        encode_message(Message(uri, {name: value[i] for name, value in tensors.items()}, batch_size=served.batch_size,
+                               inference_us=served.inference_us, model=served.model, model_version=served.model_version))
         for i, uri in enumerate(uris)
     ]
