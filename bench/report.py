@@ -181,7 +181,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
             f"median of the last {m['settled_drains']} of its drains: {all_drains(m)})")),
-        row("  right after start, a new JVM (req/s)", lambda m: f"{m['capacity_at_start']:,.0f}"),
+        row("  right after start, a new JVM (req/s)", lambda m: (
+            f"{m['capacity_at_start']:,.0f} (start -> every result read: {m['start_to_backlog_answered_seconds']:.1f} s)")),
         row("  right after a restart in its JVM (req/s)", lambda m: f"{m['capacity_after_restart']:,.0f}"),
         *(row(f"  the backlog in {protocol}, running (req/s)", lambda m, protocol=protocol: protocol_drain(m, protocol))
           for protocol in args.protocols),

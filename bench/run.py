@@ -19,7 +19,8 @@ requests), all measured in this run on this machine:
    on the same backlog, timed the same way as the job, with the job's run size;
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
    results (so the client's own decoding speed is not in the figure; from the one past a warm-up
-   share of the backlog to the last): its capacity right after start; then capacity = the rate
+   share of the backlog to the last): its capacity right after start (and the seconds from the
+   start call until every result of the backlog was read); then capacity = the rate
    at which the running job drains backlogs as large, the median of the last SETTLED_DRAINS of
    RUNNING_DRAINS, each written in one transaction while it serves (see running_drain), and its
    serving stage alone over it, from the time each result says its batch took; then latency
@@ -207,16 +208,19 @@ def raw_onnxruntime(session: ort.InferenceSession, batch_size: int, seconds: flo
     return runs * batch_size / elapsed
 
 
-def timed_drain(reader: ResultReader, server: ChildProcess, start: int, end: int) -> float:
-    """Starts `server` while `reader` already watches its result topic: start() returns once the
-    server is ready, and a fast one can drain much of the backlog by then. The caller stops it."""
+def timed_drain(reader: ResultReader, server: ChildProcess, start: int, end: int) -> tuple[float, float]:
+    """(drain rate, seconds from the start call until the reader had every result): starts
+    `server` while `reader` already watches its result topic: start() returns once the server is
+    ready, and a fast one can drain much of the backlog by then. The caller stops it."""
+    called = time.perf_counter()
     with ThreadPoolExecutor(1) as pool:
         starting = pool.submit(server.start)
         drained = reader.wait_for(end, lambda: not starting.done() or server.running, DRAIN_TIMEOUT_S)
+        answered = time.perf_counter() - called
         starting.result()  # a server that did not start raises here, with its log
     if not drained:
         raise no_results(server, end)
-    return reader.drain_rate(start, end)
+    return reader.drain_rate(start, end), answered
 
 
 def no_results(server: ChildProcess, end: int) -> RuntimeError:
@@ -266,7 +270,7 @@ def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarr
         loop = PlainLoop(config.source, raw_topic, result_topic, client, folder / f"plain-{client}-{model.name}.log")
         reader = ResultReader(kafka.bootstrap_servers, result_topic)
         try:
-            rates[client] = timed_drain(reader, loop, warmup, len(uris))
+            rates[client], _ = timed_drain(reader, loop, warmup, len(uris))
         finally:
             loop.stop()
             reader.close()
@@ -455,7 +459,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     reader = ResultReader(bootstrap, config.kafka.result_topic)
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / f"job-{model.name}.log")
     try:
-        capacity_at_start = timed_drain(reader, job, len(warmup), len(warmup) + len(backlog))
+        capacity_at_start, start_to_answered = timed_drain(reader, job, len(warmup), len(warmup) + len(backlog))
         reader.read_until(warmup + backlog, timeout=300)
         progress(model.name, "OutputQueue.dequeue reading the results ...")
         dequeued = dequeue_rate(config, len(warmup) + len(backlog))
@@ -512,6 +516,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "protocol_drains": {protocol: {"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}
                             for protocol, (_, rate, bound, cpu) in protocol_drains.items()},
         "capacity_at_start": capacity_at_start,
+        "start_to_backlog_answered_seconds": start_to_answered,
         "capacity_after_restart": capacity_after_restart,
         "job_cpu_us_per_request": cpu_us,
         "mean_batch": float(np.mean(sizes)) if sizes else 0.0,
@@ -582,7 +587,7 @@ def measure_two_models(model: BenchModel, model_path: Path, bootstrap: str, fold
     reader = ResultReader(bootstrap, config.kafka.result_topic)
     job = EmbeddedJob(config_path, config.flink.rest_port, folder / "job-multi-model.log")
     try:
-        capacity = timed_drain(reader, job, len(warmup), len(uris))
+        capacity, _ = timed_drain(reader, job, len(warmup), len(uris))
         reader.read_until(uris, timeout=300)
     finally:
         job.stop()
