@@ -24,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from cluster_serving.config import ConfigError, HttpConfig, load_config
 from cluster_serving.config.command_line import config_parser
+from cluster_serving.http import READY_LINE
 from cluster_serving.http.app import create_app
 from cluster_serving.http.dataplane import Bridge
 from cluster_serving.http.errors import InvalidRequest
@@ -31,7 +32,6 @@ from cluster_serving.http.json_tensors import json_bytes
 from cluster_serving.http.metrics import BridgeMetrics
 
 log = logging.getLogger("cluster_serving.http")
-READY_LINE = "http bridge listening on "
 
 
 def json_error_protocol(metrics: BridgeMetrics) -> type[HttpToolsProtocol]:

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from cluster_serving.config import RESTART_SIGNAL, ConfigError, load_config
-from cluster_serving.http.server import READY_LINE
+from cluster_serving.http import READY_LINE
 from cluster_serving.net.flink_rest import FlinkRest
 from cluster_serving.ops.broker_security import BrokerSecurity
 from cluster_serving.ops.local_broker import READY_PREFIX
