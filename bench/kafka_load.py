@@ -14,12 +14,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, Producer, TopicPartition
 
 from cluster_serving.client import DeliveryError, InputQueue
+from cluster_serving.client.queues import PRODUCER_SETTINGS
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, fetched, gc_paused, topic_partitions
-from cluster_serving.wire.codec import decode_message
+from cluster_serving.wire.codec import EncodedImage, decode_message
 from cluster_serving.wire.open_inference import decode_answer
 
 # The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
@@ -29,6 +30,10 @@ PACING_SLEEP_S = 0.001
 # How long the paced sender waits for its last requests to be written.
 DELIVERY_TIMEOUT_S = 60.0
 METADATA_TIMEOUT_S = 30.0
+
+# A model's sample requests; one requests writer's call sends one of them for a uri.
+SampleList = np.ndarray | list[EncodedImage]
+SendRequest = Callable[[str, np.ndarray | EncodedImage], None]
 
 
 @dataclass
@@ -55,10 +60,10 @@ def paced(count: int, rate: float) -> Iterator[int]:
 
 class ResultReader:
     """Reads a result topic from its start (or, `from_end`, from its end now) and stamps when each
-    uri's result arrived."""
+    uri's result arrived: the job's results, or (`raw`) the plain loop's, raw bytes keyed by uri."""
 
-    def __init__(self, bootstrap_servers: str, topic: str, from_end: bool = False):
-        self.bootstrap_servers, self.topic = bootstrap_servers, topic
+    def __init__(self, bootstrap_servers: str, topic: str, from_end: bool = False, raw: bool = False):
+        self.bootstrap_servers, self.topic, self.raw = bootstrap_servers, topic, raw
         self.consumer = Consumer({
             **CONSUMER_DEFAULTS,
             "bootstrap.servers": bootstrap_servers, "group.id": "cs-bench-reader", "enable.auto.commit": False,
@@ -154,32 +159,74 @@ class ResultReader:
             self._add(now, message)
 
     def _add(self, seconds: float, message: Message) -> None:
-        result = decode_answer(message.value()) or decode_message(message.value(), KAFKA_RECORD_BYTES)
-        if result.uri in self.arrivals:
+        appended_ms = message.timestamp()[1]
+        if self.raw:
+            uri, arrival = message.key().decode(), Arrival(seconds, None, False, appended_ms=appended_ms)
+        else:
+            result = decode_answer(message.value()) or decode_message(message.value(), KAFKA_RECORD_BYTES)
+            uri, arrival = result.uri, Arrival(seconds, result.batch_size, result.error is not None, result.model,
+                                               appended_ms, result.inference_us)
+        if uri in self.arrivals:
             self.duplicates += 1
-            return
-        self.arrivals[result.uri] = Arrival(seconds, result.batch_size, result.error is not None,
-                                            result.model, message.timestamp()[1], result.inference_us)
+        else:
+            self.arrivals[uri] = arrival
 
     def close(self) -> None:
         self.consumer.close()
 
 
-def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str, samples: np.ndarray,
-                 rate: float, stamps: multiprocessing.Queue) -> None:
+def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str, samples: SampleList,
+                 rate: float, stamps: multiprocessing.Queue, raw: bool = False) -> None:
     """Sends one request per uri (input `name`, cycling through `samples`) at `rate` per second
-    with InputQueue.enqueue; run as a process of its own. Puts (send times in the order of `uris`,
+    with InputQueue.enqueue, or with `raw` as a user's producer writes the plain loop's requests
+    (raw_requests); run as a process of its own. Puts (send times in the order of `uris`,
     delivery errors) on `stamps`: perf_counter is the system's monotonic clock, the same in every
     process. The times go as one array: pickling a dict of a million uris took this process a core
     for 150 ms while the last requests were still in flight, and their latency rose to 130 ms."""
-    inputs = InputQueue(bootstrap_servers, topic)
+    send, flush = raw_requests(bootstrap_servers, topic) if raw else queued_requests(bootstrap_servers, topic, name)
     sent = np.zeros(len(uris))
     try:
         for i in paced(len(uris), rate):
             sent[i] = time.perf_counter()
-            inputs.enqueue(uris[i], **{name: samples[i % len(samples)]})
-        inputs.flush(DELIVERY_TIMEOUT_S)
+            send(uris[i], samples[i % len(samples)])
+        flush()
         failed = []
     except (DeliveryError, TimeoutError) as exc:
         failed = [str(exc)]
     stamps.put((sent, failed))
+
+
+def queued_requests(bootstrap_servers: str, topic: str, name: str) -> tuple[SendRequest, Callable[[], None]]:
+    """(send, flush) of requests through InputQueue.enqueue, the sample as input `name`."""
+    inputs = InputQueue(bootstrap_servers, topic)
+    return (lambda uri, sample: inputs.enqueue(uri, **{name: sample})), lambda: inputs.flush(DELIVERY_TIMEOUT_S)
+
+
+def raw_requests(bootstrap_servers: str, topic: str) -> tuple[SendRequest, Callable[[], None]]:
+    """(send, flush) of requests as a user's producer writes them for the plain loop: key the uri,
+    value the sample's raw bytes (raw_value), with InputQueue's producer settings."""
+    producer = Producer({**PRODUCER_SETTINGS, "bootstrap.servers": bootstrap_servers})
+    failures: list[str] = []
+
+    def send(uri: str, sample: np.ndarray | EncodedImage) -> None:
+        while True:
+            try:
+                producer.produce(topic, raw_value(sample), uri.encode(),
+                                 on_delivery=lambda error, _: failures.append(f"{uri}: {error}") if error else None)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                producer.poll(PACING_SLEEP_S)
+        producer.poll(0)
+
+    def flush() -> None:
+        if producer.flush(DELIVERY_TIMEOUT_S):
+            raise TimeoutError(f"requests still unsent to {topic} after {DELIVERY_TIMEOUT_S:g} s")
+        if failures:
+            raise DeliveryError(f"{len(failures)} requests not delivered, first {failures[0]}")
+
+    return send, flush
+
+
+def raw_value(sample: np.ndarray | EncodedImage) -> bytes:
+    """A request's value as a user's producer writes it for the plain loop: a tensor's raw bytes, or a JPEG's."""
+    return sample.data if isinstance(sample, EncodedImage) else sample.tobytes()

@@ -90,15 +90,22 @@ def with_ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, 
     }}
 
 
-def first_minute_rows(title: str, key: str) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
-    """How long a start took, and the p99 of each 10 s of the paced phase after it: as read, and the job's share."""
+def first_minute_rows(title: str, key: str, started: str = "until every task ran",
+                      share: str = "the job's share") -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """How long a start took, and the p99 of each 10 s of the paced phase after it: as read, and
+    the server's share (`key` is a path of keys, dot-separated)."""
+    def figures(m: dict[str, Any]) -> dict[str, Any] | None:
+        for part in key.split("."):
+            m = m[part] if m else None
+        return m
+
     def windows(m: dict[str, Any], share: bool) -> str:
-        if not m[key]:
+        if not figures(m):
             return "-"
-        return ", ".join(f"{(w['job_share'] if share else w)['p99_ms']:.0f}" for w in m[key]["windows"])
-    return [(f"{title}: until every task ran (s)", lambda m: f"{m[key]['start_seconds']:.1f}" if m[key] else "-"),
+        return ", ".join(f"{(w['job_share'] if share else w)['p99_ms']:.0f}" for w in figures(m)["windows"])
+    return [(f"{title}: {started} (s)", lambda m: f"{figures(m)['start_seconds']:.1f}" if figures(m) else "-"),
             ("  then paced: p99 per 10 s (ms)", lambda m: windows(m, False)),
-            ("  the job's share", lambda m: windows(m, True))]
+            (f"  {share}", lambda m: windows(m, True))]
 
 
 def table(report: dict[str, Any], args: argparse.Namespace) -> str:
@@ -197,6 +204,11 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
         *(row(*pair) for pair in first_minute_rows("job restarted in its JVM (cluster-serving restart)", "first_minute_restarted")),
         *(row(*pair) for pair in first_minute_rows("job started in a new JVM (stop, then start)", "first_minute_new_jvm")),
+        row(f"plain loop on {PLAIN_LOOP_CLIENTS[0]}, paced alike, warm", lambda m: (
+            f"{m['plain_loop_paced']['warm']['sent_rate']:,.0f}/s sent: {timing(m['plain_loop_paced']['warm'])}; its share p99 "
+            f"{m['plain_loop_paced']['warm']['job_share']['p99_ms']:.0f} ms")),
+        *(row(*pair) for pair in first_minute_rows(f"plain loop on {PLAIN_LOOP_CLIENTS[0]} started anew",
+                                                   "plain_loop_paced.first_minute", "until ready", "its share")),
         row("HTTP requests", lambda m: m["http_protocol"]),
         *(row(f"HTTP, {plural(clients, 'client')}", lambda m, key=str(clients): (
             f"{m['http'][key]['rate']:,.0f} req/s: {timing(m['http'][key])}")) for clients in args.http_clients),
@@ -213,6 +225,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             lambda m: f"{m['ratios'][f'http_{most}_clients_over_raw_ort']:#.3g}"),
         row("missing / error results, non-200", lambda m: (
             f"{m['missing']} / {m['errors']}, {sum(h['failures'] for h in m['http'].values())}")),
+        row("  the plain loop's missing, paced", lambda m: str(sum(
+            phase["missing"] for phase in m["plain_loop_paced"].values() if phase))),
     ]
 
 

@@ -16,7 +16,9 @@ requests), all measured in this run on this machine:
    days), and a ceiling taken minutes away from the drain it divides was as much that drift as the
    job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
-   on the same backlog, timed the same way as the job, with the job's run size;
+   on the same backlog, timed the same way as the job, with the job's run size; last, once the
+   job has stopped, the librdkafka loop paced at the job's rate as the job was, from its start and
+   warm (plain_loop_paced);
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
    results (so the client's own decoding speed is not in the figure; from the one past a warm-up
    share of the backlog to the last): its capacity right after start (and the seconds from the
@@ -75,7 +77,7 @@ from confluent_kafka import Producer
 from bench.baseline import CLIENTS as PLAIN_LOOP_CLIENTS
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
-from bench.kafka_load import Arrival, ResultReader, paced, paced_sender
+from bench.kafka_load import Arrival, ResultReader, paced, paced_sender, raw_value
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, group_cpu_seconds, json_safe, latency_ms, machine, plural, table, with_ratios
 from cluster_serving.client.queues import InputQueue, OutputQueue
@@ -85,7 +87,6 @@ from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_record
 from cluster_serving.ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.runtime.model import open_session
-from cluster_serving.wire.codec import EncodedImage
 from cluster_serving.wire.tensors import ONNX_DTYPES
 
 # Distinct instances per model; requests cycle through them (a CNN backlog would otherwise be
@@ -284,7 +285,7 @@ def enqueue_raw(bootstrap: str, topic: str, uris: list[str], samples: np.ndarray
         sample = samples[i % len(samples)]
         while True:
             try:
-                producer.produce(topic, sample.data if isinstance(sample, EncodedImage) else sample.tobytes(), uri)
+                producer.produce(topic, raw_value(sample), uri)
                 break
             except BufferError:
                 producer.poll(0.1)
@@ -338,12 +339,13 @@ def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
 
 
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
-                  rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0) -> dict[str, Any]:
+                  rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0, raw: bool = False) -> dict[str, Any]:
     """Send -> result read of requests sent at `rate` to the running job (`warmup` first, untimed),
     and the job's share of it: the request's append to the input topic -> its result's append to
     the result topic, both stamped by the broker, so the sender's and the reader's time (clients
-    on the same cores) are not in it. The sender is a process of its own: beside the reader's
-    thread, under one GIL, it sent 2,400 of 20,000 req/s asked."""
+    on the same cores) are not in it. With `raw`, the requests are the plain loop's (raw bytes on
+    config's input topic; `reader` a raw one) and the share is the loop's. The sender is a process of
+    its own: beside the reader's thread, under one GIL, it sent 2,400 of 20,000 req/s asked."""
     progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s "
                          f"(after {len(warmup)} untimed), librdkafka clients ...")
     kafka = config.kafka
@@ -352,7 +354,7 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     stamps = context.Queue()
     requests = warmup + uris
     sender = context.Process(target=paced_sender, args=(
-        kafka.bootstrap_servers, kafka.input_topic, requests, model.input_name, samples, rate, stamps))
+        kafka.bootstrap_servers, kafka.input_topic, requests, model.input_name, samples, rate, stamps, raw))
     pending = reader.pending(requests)
     sender.start()
     reader.read_pending(pending, timeout=300 + len(requests) / rate)
@@ -374,8 +376,8 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                          "job_share": latency_ms([reader.arrivals[uri].appended_ms - appended[uri] for uri in window
                                                   if uri in reader.arrivals and uri in appended])} for window in windows],
             **latency_ms(latencies), "job_share": latency_ms(in_job),
-            "batches": batch_stats([reader.arrivals[uri].batch_size or 0 for uri in uris if uri in reader.arrivals],
-                                   config.batching.batch_size)}
+            **({} if raw else {"batches": batch_stats([reader.arrivals[uri].batch_size or 0 for uri in uris if uri in reader.arrivals],
+                                                      config.batching.batch_size)})}
 
 
 def restart_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
@@ -413,6 +415,42 @@ def first_minute(config: ServingConfig, model: BenchModel, samples: np.ndarray, 
         return {**figures, "start_seconds": seconds, "missing": sum(uri not in reader.arrivals for uri in uris)}
     finally:
         reader.close()
+
+
+def plain_loop_paced(config: ServingConfig, model: BenchModel, samples: np.ndarray, rate: float,
+                     args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The plain librdkafka loop (bench/baseline.py) paced as the job is, at the job's `rate` and
+    alone on the cores, its requests raw bytes on a topic of their own: started anew and paced from
+    the moment it is ready for --first-minute-seconds, latency per FIRST_MINUTE_WINDOW_S (what a
+    user sees of a loop they restart: its consumer group's join among it), then, warm, for
+    --latency-seconds (after LATENCY_WARMUP_S untimed when there was no first minute)."""
+    kafka = config.kafka
+    paced = config.model_copy(update={"kafka": kafka.model_copy(update={
+        "input_topic": f"{kafka.input_topic}-raw-paced", "result_topic": f"{kafka.result_topic}-plain-paced"})})
+    ensure_topics(paced.kafka, topic_configs=BROKER_TIMESTAMPS)
+    client = PLAIN_LOOP_CLIENTS[0]
+    reader = ResultReader(kafka.bootstrap_servers, paced.kafka.result_topic, from_end=True, raw=True)
+    loop = PlainLoop(config.source, paced.kafka.input_topic, paced.kafka.result_topic, client,
+                     folder / f"plain-paced-{client}-{model.name}.log")
+    figures: dict[str, Any] = {"first_minute": None}
+    try:
+        called = time.perf_counter()
+        loop.start()
+        ready = time.perf_counter() - called
+        if args.first_minute_seconds:
+            progress(model.name, f"plain loop on {client} started anew, paced at {rate:,.0f} req/s from its start for "
+                                 f"{args.first_minute_seconds:g} s ...")
+            uris = [f"plain-first-{i}" for i in range(round(rate * args.first_minute_seconds))]
+            first = paced_latency(paced, reader, model, samples, rate, [], uris, FIRST_MINUTE_WINDOW_S, raw=True)
+            figures["first_minute"] = {**first, "start_seconds": ready, "missing": sum(uri not in reader.arrivals for uri in uris)}
+        warmup, uris = paced_uris(rate, args.latency_seconds)
+        warmup = [] if args.first_minute_seconds else warmup
+        figures["warm"] = paced_latency(paced, reader, model, samples, rate, warmup, uris, raw=True)
+        figures["warm"]["missing"] = sum(uri not in reader.arrivals for uri in warmup + uris)
+    finally:
+        loop.stop()
+        reader.close()
+    return figures
 
 
 def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Namespace, run_batch_size: int = 0,
@@ -496,6 +534,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         started_again = first_minute(config, model, samples, rate, args, "new-jvm", new_jvm.start) if args.first_minute_seconds else None
     finally:
         new_jvm.stop()
+    loop_paced = plain_loop_paced(config, model, samples, rate, args, folder)
     arrivals = reader.arrivals
     sizes = [arrivals[uri].batch_size or 0 for uri in running if uri in arrivals]
     return {
@@ -524,6 +563,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "latency": latency,
         "first_minute_restarted": restarted,
         "first_minute_new_jvm": started_again,
+        "plain_loop_paced": loop_paced,
         "http": served,
         "missing": sum(uri not in arrivals for uri in warmup + backlog + paced_warmup + paced)
         + sum(uri not in arrivals for uris, *_ in drains for uri in uris)

@@ -3,6 +3,7 @@ with: on a real broker, each answers raw float32 requests with the model's raw r
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from bench.baseline import CLIENTS
-from bench.run import PlainLoop, enqueue_raw
+from bench.models import bench_models
+from bench.run import DEFAULT_HIDDEN, PlainLoop, enqueue_raw, plain_loop_paced
 from cluster_serving.kafka.admin import ensure_topics
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import WriteConfig
@@ -39,6 +41,24 @@ def test_the_plain_loop_answers_raw_requests_with_raw_results(
     assert sorted(results) == sorted(uris)
     for i, uri in enumerate(uris):
         np.testing.assert_allclose(np.frombuffer(results[uri], np.float32), want[i], rtol=1e-5)
+
+
+def test_the_plain_loop_paced_from_its_start_and_warm_answers_every_request(
+    write_config: WriteConfig, tmp_path: Path,
+) -> None:
+    _, config = write_config()
+    model = bench_models(DEFAULT_HIDDEN)["mlp"]
+    args = argparse.Namespace(first_minute_seconds=2.0, latency_seconds=1.0)
+    figures = plain_loop_paced(config, model, model.samples(8), 500.0, args, tmp_path)
+    first, warm = figures["first_minute"], figures["warm"]
+    assert (first["requests"], warm["requests"]) == (1000, 500)
+    assert first["missing"] == warm["missing"] == 0
+    assert first["start_seconds"] > 0
+    assert len(first["windows"]) == 1  # 2 s paced, windows of 10 s
+    for phase in (first, warm):
+        # The loop's share (the broker's append of a request -> of its result) is within what the reader saw.
+        assert 0 <= phase["job_share"]["p50_ms"] <= phase["p50_ms"]
+        assert 450 < phase["sent_rate"] < 550
 
 
 def read_results(bootstrap: str, topic: str, count: int, timeout_s: float = 60.0) -> dict[str, bytes]:
