@@ -1,5 +1,6 @@
-"""Kafka load for the benchmark: a paced sender of requests (InputQueue.enqueue) and a reader that
-stamps when each result arrives, both librdkafka clients (confluent-kafka).
+"""Kafka load for the benchmark: a paced sender of requests (InputQueue.enqueue, or raw bytes for
+the plain loop) and a reader that stamps when each result arrives, both librdkafka clients
+(confluent-kafka).
 
 They share the two cores of the development machine with the job they time, so they must cost
 little. At 31,000 req/s (half the mlp's capacity there), librdkafka's sender and reader used 0.32
