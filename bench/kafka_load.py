@@ -203,9 +203,11 @@ def queued_requests(bootstrap_servers: str, topic: str, name: str) -> tuple[Send
     return (lambda uri, sample: inputs.enqueue(uri, **{name: sample})), lambda: inputs.flush(DELIVERY_TIMEOUT_S)
 
 
-def raw_requests(bootstrap_servers: str, topic: str) -> tuple[SendRequest, Callable[[], None]]:
+def raw_requests(bootstrap_servers: str, topic: str,
+                 flush_timeout_s: float = DELIVERY_TIMEOUT_S) -> tuple[SendRequest, Callable[[], None]]:
     """(send, flush) of requests as a user's producer writes them for the plain loop: key the uri,
-    value the sample's raw bytes (raw_value), with InputQueue's producer settings."""
+    value the sample's raw bytes (raw_value), with InputQueue's producer settings; flush waits
+    `flush_timeout_s` at most for the ones still queued."""
     producer = Producer({**PRODUCER_SETTINGS, "bootstrap.servers": bootstrap_servers})
     failures: list[str] = []
 
@@ -220,8 +222,8 @@ def raw_requests(bootstrap_servers: str, topic: str) -> tuple[SendRequest, Calla
         producer.poll(0)
 
     def flush() -> None:
-        if producer.flush(DELIVERY_TIMEOUT_S):
-            raise TimeoutError(f"requests still unsent to {topic} after {DELIVERY_TIMEOUT_S:g} s")
+        if producer.flush(flush_timeout_s):
+            raise TimeoutError(f"requests still unsent to {topic} after {flush_timeout_s:g} s")
         if failures:
             raise DeliveryError(f"{len(failures)} requests not delivered, first {failures[0]}")
 

@@ -72,12 +72,11 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import yaml
-from confluent_kafka import Producer
 
 from bench.baseline import CLIENTS as PLAIN_LOOP_CLIENTS
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
-from bench.kafka_load import Arrival, ResultReader, paced, paced_sender, raw_value
+from bench.kafka_load import Arrival, ResultReader, paced, paced_sender, raw_requests
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, group_cpu_seconds, json_safe, latency_ms, machine, plural, table, with_ratios
 from cluster_serving.client.queues import InputQueue, OutputQueue
@@ -279,18 +278,12 @@ def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarr
 
 
 def enqueue_raw(bootstrap: str, topic: str, uris: list[str], samples: np.ndarray | list) -> None:
-    """One record per uri, its value the raw bytes of a sample (a tensor's, or a JPEG's)."""
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50})
+    """One record per uri, its value the raw bytes of a sample (a tensor's, or a JPEG's), as the
+    paced sender writes the plain loop's requests."""
+    send, flush = raw_requests(bootstrap, topic, DRAIN_TIMEOUT_S)
     for i, uri in enumerate(uris):
-        sample = samples[i % len(samples)]
-        while True:
-            try:
-                producer.produce(topic, raw_value(sample), uri)
-                break
-            except BufferError:
-                producer.poll(0.1)
-    if producer.flush(DRAIN_TIMEOUT_S):
-        raise RuntimeError(f"the raw backlog for the plain loops was not all written to {topic}")
+        send(uri, samples[i % len(samples)])
+    flush()
 
 
 def fill_backlog(config: ServingConfig, model: BenchModel, samples: np.ndarray, uris: list[str],
