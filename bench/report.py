@@ -200,13 +200,16 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"at batch {m['run_batch_size']})")),
         row("job latency, paced (send -> result read)", lambda m: (
             f"{m['latency']['rate']:,.0f}/s asked, {m['latency']['sent_rate']:,.0f} sent: {timing(m['latency'])}, "
-            f"mean batch {m['latency']['batches']['mean_batch']:.1f}")),
+            f"mean batch {m['latency']['batches']['mean_batch']:.1f}; CPU per request: job {m['latency']['cpu_us_per_request']:.1f} us, "
+            f"its sender (InputQueue.enqueue) {m['latency']['sender_cpu_us_per_request']:.1f}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
         *(row(*pair) for pair in first_minute_rows("job restarted in its JVM (cluster-serving restart)", "first_minute_restarted")),
         *(row(*pair) for pair in first_minute_rows("job started in a new JVM (stop, then start)", "first_minute_new_jvm")),
         row(f"plain loop on {PLAIN_LOOP_CLIENTS[0]}, paced alike, warm", lambda m: (
             f"{m['plain_loop_paced']['warm']['sent_rate']:,.0f}/s sent: {timing(m['plain_loop_paced']['warm'])}; its share p99 "
-            f"{m['plain_loop_paced']['warm']['job_share']['p99_ms']:.0f} ms")),
+            f"{m['plain_loop_paced']['warm']['job_share']['p99_ms']:.0f} ms; CPU per request: loop "
+            f"{m['plain_loop_paced']['warm']['cpu_us_per_request']:.1f} us, its sender (raw bytes) "
+            f"{m['plain_loop_paced']['warm']['sender_cpu_us_per_request']:.1f}")),
         *(row(*pair) for pair in first_minute_rows(f"plain loop on {PLAIN_LOOP_CLIENTS[0]} started anew",
                                                    "plain_loop_paced.first_minute", "until ready", "its share")),
         row("HTTP requests", lambda m: m["http_protocol"]),

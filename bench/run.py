@@ -332,13 +332,17 @@ def paced_uris(rate: float, seconds: float) -> tuple[list[str], list[str]]:
 
 
 def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel, samples: np.ndarray,
-                  rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0, raw: bool = False) -> dict[str, Any]:
+                  rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0, raw: bool = False,
+                  server: ChildProcess | None = None) -> dict[str, Any]:
     """Send -> result read of requests sent at `rate` to the running job (`warmup` first, untimed),
     and the job's share of it: the request's append to the input topic -> its result's append to
     the result topic, both stamped by the broker, so the sender's and the reader's time (clients
     on the same cores) are not in it. With `raw`, the requests are the plain loop's (raw bytes on
     config's input topic; `reader` a raw one) and the share is the loop's. The sender is a process of
-    its own: beside the reader's thread, under one GIL, it sent 2,400 of 20,000 req/s asked."""
+    its own: beside the reader's thread, under one GIL, it sent 2,400 of 20,000 req/s asked. The
+    CPU per request of the sender, and with `server` (the job's or the loop's process) its own,
+    paced: on cores shared by the clients, the broker and the server, what one leaves the others
+    sets how long requests wait."""
     progress(model.name, f"paced latency: {len(uris)} requests at {rate:,.0f} req/s "
                          f"(after {len(warmup)} untimed), librdkafka clients ...")
     kafka = config.kafka
@@ -349,9 +353,11 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     sender = context.Process(target=paced_sender, args=(
         kafka.bootstrap_servers, kafka.input_topic, requests, model.input_name, samples, rate, stamps, raw))
     pending = reader.pending(requests)
+    cpu = group_cpu_seconds(server.process.pid) if server else math.nan
     sender.start()
     reader.read_pending(pending, timeout=300 + len(requests) / rate)
-    times, failed = stamps.get(timeout=60)
+    cpu_us = (group_cpu_seconds(server.process.pid) - cpu) / len(requests) * 1e6 if server else math.nan
+    times, failed, sender_cpu = stamps.get(timeout=60)
     sender.join()
     sent = dict(zip(uris, times[len(warmup):].tolist()))  # the timed ones; the warm-up's go first
     if failed:
@@ -364,7 +370,8 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                 for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
     windows = [uris[start:start + max(1, round(rate * window_s))] for start in range(0, len(uris), max(1, round(rate * window_s)))] if window_s else []
-    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup),
+    return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup), "cpu_us_per_request": cpu_us,
+            "sender_cpu_us_per_request": sender_cpu / len(requests) * 1e6,
             "windows": [{**latency_ms([(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in window if uri in reader.arrivals]),
                          "job_share": latency_ms([reader.arrivals[uri].appended_ms - appended[uri] for uri in window
                                                   if uri in reader.arrivals and uri in appended])} for window in windows],
@@ -438,7 +445,7 @@ def plain_loop_paced(config: ServingConfig, model: BenchModel, samples: np.ndarr
             figures["first_minute"] = {**first, "start_seconds": ready, "missing": sum(uri not in reader.arrivals for uri in uris)}
         warmup, uris = paced_uris(rate, args.latency_seconds)
         warmup = [] if args.first_minute_seconds else warmup
-        figures["warm"] = paced_latency(paced, reader, model, samples, rate, warmup, uris, raw=True)
+        figures["warm"] = paced_latency(paced, reader, model, samples, rate, warmup, uris, raw=True, server=loop)
         figures["warm"]["missing"] = sum(uri not in reader.arrivals for uri in warmup + uris)
     finally:
         loop.stop()
@@ -512,7 +519,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         raw.append(raw_rates(session, raw_sizes))
         rate = args.rate or min(LATENCY_LOAD * capacity, LATENCY_MAX_RATE)
         paced_warmup, paced = paced_uris(rate, args.latency_seconds)
-        latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced)
+        latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced, server=job)
         served = http_phases(model, config_path, folder, samples, args)
         progress(model.name, "raw ONNX Runtime (3 of 3) ...")
         raw.append(raw_rates(session, raw_sizes))

@@ -54,11 +54,13 @@ def test_the_plain_loop_paced_from_its_start_and_warm_answers_every_request(
     assert (first["requests"], warm["requests"]) == (1000, 500)
     assert first["missing"] == warm["missing"] == 0
     assert first["start_seconds"] > 0
+    assert warm["cpu_us_per_request"] > 0  # the loop's process, while it served the warm phase
     assert len(first["windows"]) == 1  # 2 s paced, windows of 10 s
     for phase in (first, warm):
         # The loop's share (the broker's append of a request -> of its result) is within what the reader saw.
         assert 0 <= phase["job_share"]["p50_ms"] <= phase["p50_ms"]
         assert 450 < phase["sent_rate"] < 550
+        assert phase["sender_cpu_us_per_request"] > 0
 
 
 def read_results(bootstrap: str, topic: str, count: int, timeout_s: float = 60.0) -> dict[str, bytes]:
