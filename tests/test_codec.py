@@ -17,9 +17,9 @@ from hypothesis.extra import numpy as hnp
 from cluster_serving.wire.codec import (
     DecodeError, EncodedImage, Message, Served, SparseTensor, TooLarge, decode_message, encode_message, encode_rows,
 )
-from cluster_serving.wire.inputs import encode_alike_requests, encode_by_kind
+from cluster_serving.wire.inputs import encode_alike_requests, encode_by_kind, encode_request
 from cluster_serving.wire.v1 import END_OF_STREAM, _field, _table
-from cluster_serving.wire.v2 import V2_MAGIC
+from cluster_serving.wire.v2 import V2_MAGIC, encode_arrays
 from cluster_serving.wire.values import NUMERIC_DTYPES
 from tests.arrow_streams import one_batch_stream, write_stream
 from tests.memory import peak_rss_growth_mb
@@ -57,16 +57,20 @@ def test_numeric_round_trip_is_exact(dtype: str, shape: tuple[int, ...], version
 def test_requests_encoded_together_are_each_ones_own_bytes(
     dtype: str, byte_order: str, shape: tuple[int, ...], transposed: bool, count: int, data: st.DataObject
 ) -> None:
-    """The shortcut of enqueue_batch (and of encode_request, for one request) writes exactly what
-    the general path writes for each request, or leaves them to it (None); it takes native
-    little-endian arrays, whatever their memory order."""
+    """The shortcuts of enqueue_batch (encode_alike_requests) and of a lone request (encode_arrays,
+    encode_request's) write exactly what the general path writes for each request, or leave them
+    to it (None); they take native little-endian arrays, whatever their memory order."""
     typed = np.dtype(dtype).newbyteorder(byte_order)
     arrays = [data.draw(hnp.arrays(typed, shape)) for _ in range(count)]
     requests = [(f"r{i}", {"t": array.T if transposed else array, "n": np.array([i], np.int64)})
                 for i, array in enumerate(arrays)]
+    general = [encode_by_kind(uri, inputs) for uri, inputs in requests]
     together = encode_alike_requests(requests)
-    assert together == [encode_by_kind(uri, inputs) for uri, inputs in requests] or together is None
+    assert together == general or together is None
     assert (together is None) == (typed.byteorder == ">")
+    alone = [encode_arrays(uri, inputs) for uri, inputs in requests]
+    assert alone == general if typed.byteorder != ">" else alone == [None] * count
+    assert [encode_request(uri, inputs) for uri, inputs in requests] == general
 
 
 @pytest.mark.parametrize("odd_one", [
@@ -83,6 +87,17 @@ def test_requests_not_alike_are_left_to_encode_request(odd_one: tuple[str, dict]
     assert encode_alike_requests(requests) is not None
     assert encode_alike_requests([*requests, odd_one]) is None
     assert encode_alike_requests([(f"r{i}", {"t": np.array(["a", "b"])}) for i in range(3)]) is None
+
+
+@pytest.mark.parametrize("inputs", [
+    {"t": [0.0, 0.0]},  # a list, not an array
+    {"t": np.zeros(2, np.float32), "s": ["a"]},  # one input not an array
+    {"t": np.array(["a", "b"])},  # strings
+    {"t": np.zeros(2, ">f4")},  # big-endian
+    {},  # no input
+])
+def test_a_lone_request_not_of_number_arrays_is_left_to_the_general_path(inputs: dict) -> None:
+    assert encode_arrays("r1", inputs) is None
 
 
 @settings(max_examples=100, deadline=None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cluster_serving.wire import v1, v2
-from cluster_serving.wire.v2 import Served, carries, decode_stacked, encode_alike, holds_images, message_from_parts, stacked_rows
+from cluster_serving.wire.v2 import Served, carries, decode_stacked, encode_alike, encode_arrays, holds_images, message_from_parts, stacked_rows
 from cluster_serving.wire.values import (
     CONTROL_HEADER,
     DEADLINE_HEADER,
@@ -33,7 +33,7 @@ from cluster_serving.wire.values import (
 __all__ = [
     "CONTROL_HEADER", "DEADLINE_HEADER", "MODEL_HEADER", "MODEL_NAME", "VERSION_HEADER", "MAX_RANK", "MAX_TENSORS", "MAX_URI_CHARS", "SIGNATURE_HEADER", "TOP_N_CLASSES", "TOP_N_PROBABILITIES", "DecodeError",
     "ERROR_CODES", "TooLarge", "EncodedImage", "Message", "Served", "SparseTensor", "Value", "decode_message", "dtype_name", "encode_message",
-    "encode_alike", "encode_rows", "carries", "decode_stacked", "holds_images", "message_from_parts", "stacked_rows",
+    "encode_alike", "encode_arrays", "encode_rows", "carries", "decode_stacked", "holds_images", "message_from_parts", "stacked_rows",
 ]
 
 
