@@ -109,9 +109,10 @@ def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[byt
     names, and arrays of its little-endian number dtypes and shapes: they share one layout, and
     each array is copied once. None when they are not alike."""
     first = requests[0] if requests else {}
-    spec = tuple((name, value.dtype, value.shape) for name, value in first.items() if isinstance(value, np.ndarray))
-    if not spec or len(spec) != len(first) or not all(dtype.char in _CHARS and dtype.str[0] in "<|" for _, dtype, _ in spec):
+    kinds = [_number_kind(value) for value in first.values()]
+    if not kinds or None in kinds:
         return None
+    spec = tuple((name, value.dtype, value.shape) for name, value in first.items())
     values = []
     for request in requests:
         if len(request) != len(spec):
@@ -123,7 +124,7 @@ def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[byt
                 return None
             parts.append(value if value.flags.c_contiguous else value.tobytes())
         values.append(parts)
-    layout_spec = tuple((name, _CHARS[dtype.char], shape) for name, dtype, shape in spec)
+    layout_spec = tuple((name, kind, shape) for (name, _, shape), kind in zip(spec, kinds))
     return _messages(uris, _layout_tail(layout_spec, Served()), values)
 
 
@@ -133,11 +134,20 @@ def encode_arrays(uri: str, request: Mapping[str, Any]) -> bytes | None:
     encode_alike's cost for one."""
     spec, parts = [], []
     for name, value in request.items():
-        if type(value) is not np.ndarray or value.dtype.str[0] not in "<|" or value.dtype.char not in _CHARS:
+        kind = _number_kind(value)
+        if kind is None:
             return None
-        spec.append((name, _CHARS[value.dtype.char], value.shape))
+        spec.append((name, kind, value.shape))
         parts.append(value if value.flags.c_contiguous else value.tobytes())
     return message_from_parts(uri, _layout_tail(tuple(spec), Served()), *parts) if spec else None
+
+
+def _number_kind(value: Any) -> str | None:
+    """The version 2 dtype name of an ndarray of a little-endian (or single-byte) number dtype;
+    None for anything else."""
+    if type(value) is not np.ndarray or value.dtype.str[0] not in "<|":
+        return None
+    return _CHARS.get(value.dtype.char)
 
 
 def _messages(uris: list[str], layout_tail: bytes, values: Iterable[list[Any]]) -> list[bytes]:
