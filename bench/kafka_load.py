@@ -182,8 +182,9 @@ def paced_sender(bootstrap_servers: str, topic: str, uris: list[str], name: str,
     with InputQueue.enqueue, or with `raw` as a user's producer writes the plain loop's requests
     (raw_requests); run as a process of its own. Puts (send times in the order of `uris`,
     delivery errors, the CPU seconds it took) on `stamps`: perf_counter is the system's monotonic
-    clock, the same in every process. The times go as one array: pickling a dict of a million uris took this process a core
-    for 150 ms while the last requests were still in flight, and their latency rose to 130 ms."""
+    clock, the same in every process. The times go as one array: pickling a dict of a million uris
+    took this process a core for 150 ms while the last requests were still in flight, and their
+    latency rose to 130 ms."""
     cpu = time.process_time()
     send, flush = raw_requests(bootstrap_servers, topic) if raw else queued_requests(bootstrap_servers, topic, name)
     sent = np.zeros(len(uris))
