@@ -99,13 +99,16 @@ def first_minute_rows(title: str, key: str, started: str = "until every task ran
             m = m[part] if m else None
         return m
 
-    def windows(m: dict[str, Any], share: bool) -> str:
-        if not figures(m):
-            return "-"
-        return ", ".join(f"{(w['job_share'] if share else w)['p99_ms']:.0f}" for w in figures(m)["windows"])
     return [(f"{title}: {started} (s)", lambda m: f"{figures(m)['start_seconds']:.1f}" if figures(m) else "-"),
-            ("  then paced: p99 per 10 s (ms)", lambda m: windows(m, False)),
-            (f"  {share}", lambda m: windows(m, True))]
+            ("  then paced: p99 per 10 s (ms)", lambda m: window_p99s(figures(m), False)),
+            (f"  {share}", lambda m: window_p99s(figures(m), True))]
+
+
+def window_p99s(paced: dict[str, Any] | None, share: bool) -> str:
+    """The p99 of each window of a paced phase (ms), as read or (`share`) the server's share."""
+    if not paced:
+        return "-"
+    return ", ".join(f"{(window['job_share'] if share else window)['p99_ms']:.0f}" for window in paced["windows"])
 
 
 def table(report: dict[str, Any], args: argparse.Namespace) -> str:
@@ -203,6 +206,8 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
             f"mean batch {m['latency']['batches']['mean_batch']:.1f}; CPU per request: job {m['latency']['cpu_us_per_request']:.1f} us, "
             f"its sender (InputQueue.enqueue) {m['latency']['sender_cpu_us_per_request']:.1f}")),
         row("  the job's share (input append -> result append)", lambda m: timing(m["latency"]["job_share"])),
+        row("  p99 per 10 s, untimed warm-up included (ms)", lambda m: window_p99s(m["latency"], False)),
+        row("  the job's share", lambda m: window_p99s(m["latency"], True)),
         *(row(*pair) for pair in first_minute_rows("job restarted in its JVM (cluster-serving restart)", "first_minute_restarted")),
         *(row(*pair) for pair in first_minute_rows("job started in a new JVM (stop, then start)", "first_minute_new_jvm")),
         row(f"plain loop on {PLAIN_LOOP_CLIENTS[0]}, paced alike, warm", lambda m: (

@@ -335,7 +335,8 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
                   rate: float, warmup: list[str], uris: list[str], window_s: float = 0.0, raw: bool = False,
                   server: ChildProcess | None = None) -> dict[str, Any]:
     """Send -> result read of requests sent at `rate` to the running job (`warmup` first, untimed),
-    and the job's share of it: the request's append to the input topic -> its result's append to
+    with `window_s` also per window of that many seconds (the warm-up's among them), and the job's
+    share of it: the request's append to the input topic -> its result's append to
     the result topic, both stamped by the broker, so the sender's and the reader's time (clients
     on the same cores) are not in it. With `raw`, the requests are the plain loop's (raw bytes on
     config's input topic; `reader` a raw one) and the share is the loop's. The sender is a process of
@@ -359,7 +360,7 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     cpu_us = (group_cpu_seconds(server.process.pid) - cpu) / len(requests) * 1e6 if server else math.nan
     times, failed, sender_cpu = stamps.get(timeout=60)
     sender.join()
-    sent = dict(zip(uris, times[len(warmup):].tolist()))  # the timed ones; the warm-up's go first
+    sent = dict(zip(requests, times.tolist()))
     if failed:
         raise RuntimeError(f"the paced sender could not deliver {len(failed)} requests: {failed[0]}")
     # One client process may not keep up with half a high capacity: say what it really sent.
@@ -369,7 +370,9 @@ def paced_latency(config: ServingConfig, reader: ResultReader, model: BenchModel
     appended = {record.key.decode(): record.timestamp
                 for record in topic_records(kafka.bootstrap_servers, kafka.input_topic, since=since) if record.key}
     in_job = [reader.arrivals[uri].appended_ms - appended[uri] for uri in uris if uri in reader.arrivals and uri in appended]
-    windows = [uris[start:start + max(1, round(rate * window_s))] for start in range(0, len(uris), max(1, round(rate * window_s)))] if window_s else []
+    # The windows cover the untimed warm-up too: how long the job takes to settle at this load.
+    step = max(1, round(rate * window_s))
+    windows = [requests[start:start + step] for start in range(0, len(requests), step)] if window_s else []
     return {"rate": rate, "sent_rate": sent_rate, "requests": len(uris), "warmup": len(warmup), "cpu_us_per_request": cpu_us,
             "sender_cpu_us_per_request": sender_cpu / len(requests) * 1e6,
             "windows": [{**latency_ms([(reader.arrivals[uri].seconds - sent[uri]) * 1000 for uri in window if uri in reader.arrivals]),
@@ -519,7 +522,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         raw.append(raw_rates(session, raw_sizes))
         rate = args.rate or min(LATENCY_LOAD * capacity, LATENCY_MAX_RATE)
         paced_warmup, paced = paced_uris(rate, args.latency_seconds)
-        latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced, server=job)
+        latency = paced_latency(config, reader, model, samples, rate, paced_warmup, paced, FIRST_MINUTE_WINDOW_S, server=job)
         served = http_phases(model, config_path, folder, samples, args)
         progress(model.name, "raw ONNX Runtime (3 of 3) ...")
         raw.append(raw_rates(session, raw_sizes))
