@@ -10,11 +10,14 @@ them with the job's session settings (provider, threads, no spinning) in runs of
 `run_batch_size`, and writes each result (the raw bytes of the first output's row, key = uri) to
 TOPIC without waiting for delivery. It runs until stopped; the benchmark times it by TOPIC's end
 offsets. Two clients, as users pick them:
-- `librdkafka` (confluent-kafka): a consumer group, `consume(batch_size)`, `produce` + `poll(0)`,
-  librdkafka's defaults with `linger.ms` 5 and `fetch.queue.backoff.ms` 10;
-- `kafka-python`: the same loop; it takes the topic's partitions itself, in no consumer group:
-  kafka-python 3.0.12's group consumer twice spun for good (100% CPU in
-  ensure_coordinator_ready, seen with py-spy) partway through a backlog.
+- `librdkafka` (confluent-kafka): a consumer group, `poll` for a record, then
+  `consume(batch_size - 1, 0)` for those ready behind it (`consume(batch_size, timeout)` alone
+  waits out its timeout for a batch that is not full), `produce` + `poll(0)`, librdkafka's
+  defaults with `linger.ms` 5 and `fetch.queue.backoff.ms` 10;
+- `kafka-python`: the same loop (its `poll` returns the records ready, up to `batch_size`); it
+  takes the topic's partitions itself, in no consumer group: kafka-python 3.0.12's group consumer
+  twice spun for good (100% CPU in ensure_coordinator_ready, seen with py-spy) partway through a
+  backlog.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ def librdkafka_records(config: ServingConfig, topic: str) -> tuple[Iterator[Reco
 
     def polls() -> Iterator[Records]:
         while True:
-            yield [(m.key(), m.value()) for m in consumer.consume(config.batching.batch_size, POLL_TIMEOUT_S)
-                   if m.error() is None]
+            first = consumer.poll(POLL_TIMEOUT_S)
+            ready = [] if first is None else [first, *consumer.consume(config.batching.batch_size - 1, 0)]
+            yield [(m.key(), m.value()) for m in ready if m.error() is None]
 
     def send(result_topic: str, key: bytes, value: bytes) -> None:
         while True:
