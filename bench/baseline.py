@@ -47,6 +47,8 @@ Send = Callable[[str, bytes, bytes], None]
 def librdkafka_records(config: ServingConfig, topic: str) -> tuple[Iterator[Records], Send]:
     from confluent_kafka import Consumer, Producer
 
+    from cluster_serving.kafka.librdkafka import fetched
+
     kafka = config.kafka
     # librdkafka's defaults but one, which its docs suggest lowering when a consumer sees ~1 s delays:
     # after each 100,000 records queued it stopped fetching for a second (docs/benchmarks.md).
@@ -58,8 +60,7 @@ def librdkafka_records(config: ServingConfig, topic: str) -> tuple[Iterator[Reco
 
     def polls() -> Iterator[Records]:
         while True:
-            first = consumer.poll(POLL_TIMEOUT_S)
-            ready = [] if first is None else [first, *consumer.consume(config.batching.batch_size - 1, 0)]
+            ready = fetched(consumer, POLL_TIMEOUT_S, behind=config.batching.batch_size - 1)
             yield [(m.key(), m.value()) for m in ready if m.error() is None]
 
     def send(result_topic: str, key: bytes, value: bytes) -> None:

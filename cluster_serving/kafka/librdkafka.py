@@ -68,12 +68,12 @@ def keyword_settings(keywords: Mapping[str, Any]) -> dict[str, Any]:
     return {key.replace("_", "."): value for key, value in keywords.items()}
 
 
-def fetched(consumer: Consumer, wait_s: float) -> list[Message]:
-    """What the consumer has: up to `wait_s` for the first record, then those already fetched
-    behind it. consume(n, wait) would wait for all n or the whole wait: every bridge request took
-    201 ms when the result reader used it."""
+def fetched(consumer: Consumer, wait_s: float, behind: int = CONSUME_BATCH) -> list[Message]:
+    """What the consumer has: up to `wait_s` for the first record, then up to `behind` already
+    fetched behind it. consume(n, wait) would wait for all n or the whole wait: every bridge request
+    took 201 ms when the result reader used it."""
     first = consumer.poll(wait_s)
-    return [] if first is None else [first, *consumer.consume(CONSUME_BATCH, 0)]
+    return [] if first is None else [first, *consumer.consume(behind, 0)]
 
 
 @contextmanager
