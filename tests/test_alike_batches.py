@@ -167,11 +167,13 @@ def test_images_of_one_size_come_alike_and_are_read_one_by_one(jvm) -> None:
     assert [(m.uri, m.tensors) for m in batch.instances] == [(m.uri, m.tensors) for m in alone.instances] == expected
 
 
-def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchServer) -> None:
-    """Full batches the JVM joined into one frame (job/batch.py) run in runs of batch_size, and each
-    result says the batch it ran in; the results match the per-request way."""
+@pytest.mark.parametrize("batches", [3, 2.5])
+def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchServer, batches: float) -> None:
+    """Batches the JVM joined into one frame (job/batch.py), the last one partial or not, run in
+    runs of batch_size, and each result says the batch it ran in; the results match the
+    per-request way."""
     batch_size = server.config.batching.batch_size
-    records = requests(3 * batch_size, seed=5)
+    records = requests(int(batches * batch_size), seed=5)
     model = server.servables.resolve("", "")[0].pools[1].first
     runs = []
     run_columns = model.run_columns
@@ -181,10 +183,12 @@ def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchSe
         outcomes, stats = server.serve_batch(batch)
     finally:
         model.run_columns = run_columns
-    assert runs == [batch_size] and (stats.size, stats.batches) == (3 * batch_size, 3)
+    assert runs == [batch_size] and (stats.size, stats.batches) == (len(records), 3)
     results = results_of(read_result_frame(server.serve_frame(jvm_frame(jvm, records))))
     singly = results_of(read_result_frame(server.serve_frame(write_batch_frame("", "", records))))
     assert results.keys() == singly.keys() == {uri for uri, _ in records}
+    last = len(records) - 2 * batch_size
+    assert [results[uri].batch_size for uri, _ in records] == [batch_size] * 2 * batch_size + [last] * last
     for uri, result in results.items():
-        assert result.error is None and result.batch_size == batch_size
+        assert result.error is None
         np.testing.assert_array_equal(result.tensors["probabilities"], singly[uri].tensors["probabilities"])

@@ -6,7 +6,7 @@ batcher in Python cost a Python call and a state access per request, most of the
 keyed one a network exchange per request. Waiting requests are operator state, so a checkpoint
 taken while a batch is filling includes them: after a restore they are flushed, never lost with
 the offsets already committed. Each batch reaches Python as one frame (cluster_serving/runtime/frames.py) of one
-route, or with other full batches of its route ready at once (MAX_JOINED_BATCHES); the routing table (cluster_serving/runtime/repository.py's table text) says each model's batching, and a
+route, or with more of its route ready at once (MAX_JOINED_BATCHES); the routing table (cluster_serving/runtime/repository.py's table text) says each model's batching, and a
 control record of the input topic carrying a newer table switches to it at that point of the log
 (a control frame tells Python). Every parallel instance batches the partitions its source reads.
 The module also holds the other side of a batch's trip through Python: the JVM splitter of its
@@ -25,9 +25,10 @@ from cluster_serving.wire.codec import MAX_URI_CHARS
 # A batch is flushed early once its requests add up to this many bytes, so that one frame stays a
 # few of the largest requests (KAFKA_RECORD_BYTES each), not batch_size of them.
 MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
-# With max_delay_ms 0, full batches of a route that are ready at once go to Python in one frame,
-# up to this many and these many bytes: one Python call, decode and encode for all of them, while
-# the model still runs each batch on its own (runtime/serve.py). Large requests stay a batch a frame.
+# With max_delay_ms 0, more than a batch of a route ready at once goes to Python in one frame, up
+# to this many full batches and these many bytes (the last batch partial where they do not fill
+# it): one Python call, decode and encode for all of them, while the model still runs each batch
+# on its own (runtime/serve.py). Large requests stay a batch a frame.
 MAX_JOINED_BATCHES = 8
 MAX_JOINED_BYTES = 256 << 10
 FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
@@ -50,7 +51,7 @@ def micro_batches(requests: DataStream, table_text: str, max_instance_bytes: int
     raises here (py4j's error around the JVM's IllegalArgumentException). A batch of alike
     requests goes as one "A" frame when they are within the limits Python holds each to
     (MAX_URI_CHARS, `max_instance_bytes`), else as a "B" frame, where the ones over them get
-    their error results. Full batches ready at once may share a frame (MAX_JOINED_BATCHES;
+    their error results. Batches ready at once may share a frame (MAX_JOINED_BATCHES;
     `max_joined_batches` 1: never)."""
     batcher = get_gateway().jvm.clusterserving.flink.MicroBatchOperator(
         table_text, max_batch_bytes, MAX_URI_CHARS, max_instance_bytes, max_joined_batches, MAX_JOINED_BYTES)

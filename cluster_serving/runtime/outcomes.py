@@ -53,6 +53,22 @@ class Rows:
 Outcome = Message | Rows
 
 
+def by_batch(outcome: Outcome, batch_size: int) -> list[Outcome]:
+    """The outcome of a frame of joined batches (job/batch.py), its rows naming the batch each ran
+    in: `batch_size` for the full batches, its own size for a partial last one."""
+    if not isinstance(outcome, Rows) or len(outcome.uris) <= batch_size:
+        return [outcome]
+    whole = len(outcome.uris) // batch_size * batch_size
+    if whole == len(outcome.uris):
+        outcome.batch_size = batch_size
+        return [outcome]
+    head, tail = (Rows(outcome.uris[part], {name: value[part] for name, value in outcome.outputs.items()},
+                       outcome.inference_us, outcome.model, outcome.model_version)
+                  for part in (slice(0, whole), slice(whole, None)))
+    head.batch_size = batch_size
+    return [head, tail]
+
+
 def as_messages(outcomes: list[Outcome]) -> list[Message]:
     """One message per request: what postprocessing and tests read."""
     return [message for outcome in outcomes for message in (outcome.messages() if isinstance(outcome, Rows) else [outcome])]

@@ -27,7 +27,7 @@ from cluster_serving.runtime.encode import results_frame
 from cluster_serving.runtime.infer import predict, predict_alike
 from cluster_serving.runtime.model import OnnxModel
 from cluster_serving.runtime.open_inference import SplitRequests, check_route, gather_rows, split_rows
-from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages
+from cluster_serving.runtime.outcomes import Outcome, Rows, as_messages, by_batch
 from cluster_serving.runtime.postprocess import top_n
 from cluster_serving.runtime.preprocess import configure_pillow
 from cluster_serving.runtime.priority import at_process_niceness
@@ -120,7 +120,8 @@ class BatchServer:
         """A routed batch's outcomes (its rejected requests' among them) and what it did."""
         batch, served, version = routed.batch, routed.served, routed.version
         name, split, batching = served.servable.name, SplitRequests(), served.servable.batching
-        # A frame of more than batch_size requests holds joined full batches (job/batch.py): each is run as its own.
+        # A frame of more than batch_size requests holds joined batches (job/batch.py), the last one
+        # partial where they do not fill it: each is run as its own.
         batches = -(-batch.size // batching.batch_size)
         started = time.perf_counter()
         if batch.alike is not None and self.serves_whole(served, version):
@@ -138,8 +139,8 @@ class BatchServer:
             outcome.model, outcome.model_version = name, version
             if isinstance(outcome, Rows) or outcome.error is None:  # what the bridge reports as inference time
                 outcome.inference_us = elapsed_us // batches
-            if isinstance(outcome, Rows) and len(outcome.uris) > batching.batch_size:
-                outcome.batch_size = batching.batch_size
+        if batches > 1:
+            outcomes = [part for outcome in outcomes for part in by_batch(outcome, batching.batch_size)]
         outcomes = gather_rows(outcomes, split, batch.answers)
         failed = sum(1 for outcome in outcomes if isinstance(outcome, Message) and outcome.error)
         return batch.rejected + outcomes, BatchStats(name, version, size, elapsed_us, failed, batches)

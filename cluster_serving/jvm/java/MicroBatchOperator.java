@@ -32,8 +32,8 @@ import org.slf4j.LoggerFactory;
  * or the route's max delay after its first request waiting. A max delay of 0 waits for no request
  * not yet read: the batch goes once the input has nothing more ready (Triton's dynamic batcher
  * with no queue delay), so a burst already read is one batch, and a lone request goes at once;
- * full batches of such a route read back to back go as one frame of whole batches (joinsMore),
- * which Python runs batch by batch.
+ * more than a batch of such a route read back to back goes as one frame (joinsMore), which Python
+ * runs batch by batch, the last one partial where the requests do not fill it.
  * Python runs on this operator's thread (a fast model's batches too; a slow one's on threads of
  * its own, see below), so such a model is idle whenever a batch could go: requests that arrive
  * while it runs are read after, and batch together. Batch size and max delay
@@ -285,7 +285,7 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
 
     /**
      * Whether a route with no delay whose batch is full waits, with the input still ready, for more
-     * full batches to go to Python in the same frame: up to maxJoinedBatches of them and
+     * requests to go to Python in the same frame: up to maxJoinedBatches full batches and
      * maxJoinedBytes, so that only small requests ride together and a frame of large ones is one batch.
      */
     private boolean joinsMore(RoutingTable.Entry entry, Batch batch) {
@@ -356,28 +356,22 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
     }
 
     /**
-     * Sends a route's batch: full batches joined (joinsMore) as one alike frame of whole batches,
-     * which Python serves batch by batch; the rest, and joined requests that are not alike, as
-     * frames of at most the route's batch size.
+     * Sends a route's batch: more than a batch of alike requests (joinsMore) as one alike frame,
+     * which Python serves batch by batch, the last one partial where they do not fill it; requests
+     * that are not alike as frames of at most the route's batch size.
      */
     private void emit(Route route, Batch batch) {
         List<Row> requests = batch.requests;
         int batchSize = table.entryFor(route.model).batchSize;
-        int whole = requests.size() / batchSize * batchSize;
-        int from = 0;
-        if (whole > batchSize) {
-            byte[] joined = BatchFrames.encodeAlike(route.model, route.version, requests.subList(0, whole), maxUriChars, maxInstanceBytes);
-            if (joined != null) {
-                sendBatch(route, new ArrayList<>(requests.subList(0, whole)), joined);
-                from = whole;
-            }
-        }
-        if (from == 0 && requests.size() <= batchSize) {
-            sendBatch(route, requests, BatchFrames.encodeBatch(route.model, route.version, requests, maxUriChars, maxInstanceBytes));
+        byte[] joined = requests.size() > batchSize
+            ? BatchFrames.encodeAlike(route.model, route.version, requests, maxUriChars, maxInstanceBytes) : null;
+        if (joined != null) {
+            sendBatch(route, requests, joined);
             return;
         }
-        for (; from < requests.size(); from += batchSize) {
-            List<Row> part = new ArrayList<>(requests.subList(from, Math.min(from + batchSize, requests.size())));
+        for (int from = 0; from < requests.size(); from += batchSize) {
+            List<Row> part = requests.size() <= batchSize
+                ? requests : new ArrayList<>(requests.subList(from, Math.min(from + batchSize, requests.size())));
             sendBatch(route, part, BatchFrames.encodeBatch(route.model, route.version, part, maxUriChars, maxInstanceBytes));
         }
     }
