@@ -167,6 +167,22 @@ def test_images_of_one_size_come_alike_and_are_read_one_by_one(jvm) -> None:
     assert [(m.uri, m.tensors) for m in batch.instances] == [(m.uri, m.tensors) for m in alone.instances] == expected
 
 
+@pytest.mark.parametrize(("count", "alike", "sizes"), [(5, True, [5]), (2, True, [2]), (5, False, [2, 2, 1])])
+def test_requests_due_at_once_go_as_one_frame_when_alike(jvm, count: int, alike: bool, sizes: list[int]) -> None:
+    """More than a batch of alike requests due at once (a batch size of 2 here) is one "A" frame,
+    its last batch partial; requests that are not alike go as frames of at most batch_size."""
+    from py4j.java_gateway import get_field
+
+    records = requests(count) if alike else [(f"raw-{i}", b"x" * (i + 1)) for i in range(count)]
+    parts = jvm.jvm.clusterserving.flink.BatchFrames.encodeRoute(
+        "", "", java_rows(jvm, records), 2, MAX_URI_CHARS, MAX_INSTANCE_BYTES)
+    frames = [read_frame(bytes(get_field(part, "frame"))) for part in parts]
+    uris = [list(frame.alike.uris) if frame.alike is not None else [uri for uri, _ in frame.records] for frame in frames]
+    assert [len(held) for held in uris] == [get_field(part, "requests").size() for part in parts] == sizes
+    assert {frame.kind for frame in frames} == {ALIKE if alike else BATCH}
+    assert [uri for held in uris for uri in held] == [uri for uri, _ in records]
+
+
 @pytest.mark.parametrize("batches", [3, 2.5])
 def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchServer, batches: float) -> None:
     """Batches the JVM joined into one frame (job/batch.py), the last one partial or not, run in

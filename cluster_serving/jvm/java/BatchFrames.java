@@ -65,6 +65,37 @@ public final class BatchFrames {
         return alike != null ? alike : encode("B" + model + "\t" + version, records);
     }
 
+    /**
+     * The frames of a route's requests due at once, each with the requests it holds: more than
+     * `batchSize` of them alike as one "A" frame, which Python serves batch by batch, the last one
+     * partial where they do not fill it; otherwise frames of at most `batchSize` (encodeBatch).
+     */
+    public static List<Part> encodeRoute(String model, String version, List<Row> requests, int batchSize,
+                                         int maxUriChars, long maxInstanceBytes) {
+        byte[] joined = requests.size() > batchSize ? encodeAlike(model, version, requests, maxUriChars, maxInstanceBytes) : null;
+        if (joined != null) {
+            return Collections.singletonList(new Part(requests, joined));
+        }
+        List<Part> parts = new ArrayList<>();
+        for (int from = 0; from < requests.size(); from += batchSize) {
+            List<Row> part = requests.size() <= batchSize
+                ? requests : new ArrayList<>(requests.subList(from, Math.min(from + batchSize, requests.size())));
+            parts.add(new Part(part, encodeBatch(model, version, part, maxUriChars, maxInstanceBytes)));
+        }
+        return parts;
+    }
+
+    /** A request frame and the requests it holds. */
+    public static final class Part {
+        public final List<Row> requests;
+        public final byte[] frame;
+
+        Part(List<Row> requests, byte[] frame) {
+            this.requests = requests;
+            this.frame = frame;
+        }
+    }
+
     /** The "A" frame of a batch of alike requests, as encodeBatch writes it; null when they are not alike. */
     public static byte[] encodeAlike(String model, String version, List<Row> records, int maxUriChars,
                                      long maxInstanceBytes) {

@@ -355,24 +355,12 @@ public final class MicroBatchOperator extends AbstractStreamOperator<byte[]>
         }
     }
 
-    /**
-     * Sends a route's batch: more than a batch of alike requests (joinsMore) as one alike frame,
-     * which Python serves batch by batch, the last one partial where they do not fill it; requests
-     * that are not alike as frames of at most the route's batch size.
-     */
+    /** Sends a route's batch as BatchFrames.encodeRoute frames it. */
     private void emit(Route route, Batch batch) {
-        List<Row> requests = batch.requests;
         int batchSize = table.entryFor(route.model).batchSize;
-        byte[] joined = requests.size() > batchSize
-            ? BatchFrames.encodeAlike(route.model, route.version, requests, maxUriChars, maxInstanceBytes) : null;
-        if (joined != null) {
-            sendBatch(route, requests, joined);
-            return;
-        }
-        for (int from = 0; from < requests.size(); from += batchSize) {
-            List<Row> part = requests.size() <= batchSize
-                ? requests : new ArrayList<>(requests.subList(from, Math.min(from + batchSize, requests.size())));
-            sendBatch(route, part, BatchFrames.encodeBatch(route.model, route.version, part, maxUriChars, maxInstanceBytes));
+        for (BatchFrames.Part part : BatchFrames.encodeRoute(
+                route.model, route.version, batch.requests, batchSize, maxUriChars, maxInstanceBytes)) {
+            sendBatch(route, part.requests, part.frame);
         }
     }
 
