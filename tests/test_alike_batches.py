@@ -144,6 +144,24 @@ def test_an_alike_batch_of_values_out_of_range_fails_each_request(jvm, server: B
     assert [results[uri].error for uri, _ in huge[1:]] == ["invalid input: input 'features': values outside the range of float32"] * 2
 
 
+def test_a_layout_that_fits_the_model_is_checked_once(jvm, server: BatchServer) -> None:
+    """The model remembers a request layout that fits it as it is; one it casts (values checked
+    per request) or refuses is checked again with every batch."""
+    served, version = server.servables.resolve("", "")
+    model = served.pools[version].first
+    model.fitting_layouts.clear()
+    for dtype in (np.float64, np.int32):
+        server.serve_frame(jvm_frame(jvm, requests(2, dtype=dtype)))
+    assert not model.fitting_layouts
+    records = requests(4, seed=5)
+    first = results_of(jvm_split(jvm, server.serve_frame(jvm_frame(jvm, records))))
+    assert model.fitting_layouts == {read_frame(jvm_frame(jvm, records)).alike.layout}
+    again = results_of(jvm_split(jvm, server.serve_frame(jvm_frame(jvm, records))))
+    assert all(result.error is None for result in again.values())
+    for uri, result in again.items():
+        np.testing.assert_array_equal(result.tensors["probabilities"], first[uri].tensors["probabilities"])
+
+
 def test_an_alike_batch_whose_layout_does_not_decode_fails_each_request(jvm, server: BatchServer) -> None:
     uri_a, uri_b = "a", "b"
     broken = [(uri, b"CST2" + len(uri).to_bytes(2, "little") + uri.encode() + (3).to_bytes(4, "little") + b"{x}")

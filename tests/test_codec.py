@@ -279,6 +279,23 @@ def test_version_2_result_fields_round_trip_and_layouts_are_shared() -> None:
     assert decoded.tensors["p"].tolist() == [1.0, 1.0, 1.0]
 
 
+@given(model=st.text(max_size=20), inference_us=st.integers(0, 2**40), batch_size=st.integers(1, 4096),
+       version=st.integers(1, 10**6))
+@settings(max_examples=50, deadline=None)
+def test_a_result_layout_is_the_json_of_its_fields(model: str, inference_us: int, batch_size: int, version: int) -> None:
+    """A result's layout, written without a JSON encoder call per batch, reads as JSON of the
+    same fields in the same order, whatever the model's name holds (quotes, non-ASCII)."""
+    served = Served(batch_size=batch_size, inference_us=inference_us, model=model, model_version=version)
+    payload = encode_rows(["r0"], {"p": np.zeros((1, 2), np.float32)}, served)[0]
+    at = len(V2_MAGIC) + 2 + 2
+    (length,) = struct.unpack_from("<I", payload, at)
+    layout = payload[at + 4:at + 4 + length]
+    assert layout == json.dumps({"tensors": [["p", "float32", [2]]], "batch_size": batch_size, "inference_us": inference_us,
+                                 "model": model, "model_version": version}, separators=(",", ":")).encode()
+    decoded = decode_message(payload, LIMIT)
+    assert (decoded.batch_size, decoded.inference_us, decoded.model, decoded.model_version) == (batch_size, inference_us, model, version)
+
+
 @pytest.mark.parametrize("outputs", [
     {"p": np.arange(6, dtype=np.float32).reshape(2, 3)},
     {"p": np.arange(6, dtype=np.float32).reshape(2, 3), "label": np.array([["a"], ["b"]], dtype=object)},

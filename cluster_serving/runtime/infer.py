@@ -17,6 +17,8 @@ from cluster_serving.wire.codec import Message
 
 log = logging.getLogger(__name__)
 Feed = dict[str, np.ndarray]
+# The request layouts a model remembers as fitting it (OnnxModel.fitting_layouts): a stream repeats a few.
+MAX_FITTING_LAYOUTS = 64
 
 
 def signature(feed: Feed) -> tuple:
@@ -62,14 +64,22 @@ def predict_alike(model: OnnxModel, requests: AlikeRequests, run_size: int = 0) 
     """The outcomes of an alike batch, run as it came: its inputs are stacked already, and its
     requests share a layout, so the first is checked for all (its values all, where the model
     casts them). Whatever fails goes the per-request way (predict), which says whose problem it is."""
-    first = {name: value[0] for name, value in requests.tensors.items()}
     try:
-        model.prepare(first)
-        if model.casts(first):
-            model.check_values(requests.tensors)
+        if requests.layout not in model.fitting_layouts:
+            _check_alike(model, requests)
         return [Rows(requests.uris, model.run_columns(requests.tensors, run_size))]
     except Exception:
         return predict(model, requests.messages(), run_size)
+
+
+def _check_alike(model: OnnxModel, requests: AlikeRequests) -> None:
+    """Raises where an alike batch does not fit the model; remembers a layout that fits as it is."""
+    first = {name: value[0] for name, value in requests.tensors.items()}
+    model.prepare(first)
+    if model.casts(first):
+        model.check_values(requests.tensors)
+    elif len(model.fitting_layouts) < MAX_FITTING_LAYOUTS:
+        model.fitting_layouts.add(requests.layout)
 
 
 def _out_of_range(model: OnnxModel, tensors: Feed) -> Exception | None:

@@ -88,6 +88,9 @@ class OnnxModel:
             raise ModelError(problem)
         self.output_names = list(outputs) or model_outputs
         self.batched = stacks(self.inputs)
+        # Request layouts (format v2) checked once to fit the model as they are, no cast needed:
+        # an alike batch of one of them is not checked again (infer.predict_alike).
+        self.fitting_layouts: set[bytes] = set()
         bindable = self.on_device and all(spec.dtype.kind != "O" for spec in self.inputs)
         self.run_options = graph_run_options(-1) if self.cuda_graph else None  # runs outside the graph
         self.runner = BoundRunner(

@@ -42,6 +42,8 @@ class Served(NamedTuple):
 
 # numpy's one-letter type codes of the number dtypes (dtype.name is computed in Python, slowly).
 _CHARS = {np.dtype(name).char: name for name in NUMERIC_DTYPES} | {"l": "int64", "L": "uint64"}
+# The number dtypes that go as they are, little-endian (or of one byte), by dtype: one dict lookup.
+_LITTLE_ENDIAN = {np.dtype(name).newbyteorder("<"): name for name in NUMERIC_DTYPES}
 
 
 def fits(message: Message) -> bool:
@@ -125,7 +127,7 @@ def encode_alike(uris: list[str], requests: list[Mapping[str, Any]]) -> list[byt
             parts.append(value if value.flags.c_contiguous else value.tobytes())
         values.append(parts)
     layout_spec = tuple((name, kind, shape) for (name, _, shape), kind in zip(spec, kinds))
-    return _messages(uris, _layout_tail(layout_spec, Served()), values)
+    return _messages(uris, _request_tail(layout_spec), values)
 
 
 def encode_arrays(uri: str, request: Mapping[str, Any]) -> bytes | None:
@@ -139,15 +141,13 @@ def encode_arrays(uri: str, request: Mapping[str, Any]) -> bytes | None:
             return None
         spec.append((name, kind, value.shape))
         parts.append(value if value.flags.c_contiguous else value.tobytes())
-    return message_from_parts(uri, _layout_tail(tuple(spec), Served()), *parts) if spec else None
+    return message_from_parts(uri, _request_tail(tuple(spec)), *parts) if spec else None
 
 
 def _number_kind(value: Any) -> str | None:
     """The version 2 dtype name of an ndarray of a little-endian (or single-byte) number dtype;
     None for anything else."""
-    if type(value) is not np.ndarray or value.dtype.str[0] not in "<|":
-        return None
-    return _CHARS.get(value.dtype.char)
+    return _LITTLE_ENDIAN.get(value.dtype) if type(value) is np.ndarray else None
 
 
 def _messages(uris: list[str], layout_tail: bytes, values: Iterable[list[Any]]) -> list[bytes]:
@@ -159,16 +159,32 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, array.dtype.newbyteorder("<"), order="C")
 
 
-@functools.lru_cache(maxsize=64)
 def _layout_tail(spec: tuple, served: Served) -> bytes:
-    """The layout JSON of a tensor spec, behind its length; cached, since a stream of messages
-    repeats a few."""
-    layout: dict = {"tensors": [[name, kind, list(shape)] for name, kind, shape in spec]}
-    for key, item in zip(Served._fields, served):
-        if item is not None:
-            layout[key] = item
-    text = json.dumps(layout, separators=(",", ":")).encode()
+    """The layout JSON of a tensor spec and what served it, behind its length. A result's served
+    fields change with every batch (its time in serve), so only the spec's part is cached."""
+    fields = "".join([f',"{key}":{_json_value(item)}' for key, item in zip(Served._fields, served) if item is not None])
+    if not fields:
+        return _request_tail(spec)
+    text = f"{_tensors_json(spec)}{fields}}}".encode()
     return _LAYOUT_LENGTH.pack(len(text)) + text
+
+
+@functools.lru_cache(maxsize=64)
+def _tensors_json(spec: tuple) -> str:
+    """The layout JSON of a tensor spec, open for more fields; cached, since a stream of messages
+    repeats a few."""
+    return json.dumps({"tensors": [[name, kind, list(shape)] for name, kind, shape in spec]}, separators=(",", ":"))[:-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _request_tail(spec: tuple) -> bytes:
+    """The layout tail of a request's tensor spec (nothing served yet)."""
+    text = f"{_tensors_json(spec)}}}".encode()
+    return _LAYOUT_LENGTH.pack(len(text)) + text
+
+
+def _json_value(item: int | str) -> str:
+    return str(item) if type(item) is int else json.dumps(item)
 
 
 def decode(payload: bytes) -> Message:
