@@ -184,6 +184,7 @@ def _request_tail(spec: tuple) -> bytes:
 
 
 def _json_value(item: int | str) -> str:
+    """A served field as JSON: an int as its digits, without the encoder; a model's name escaped."""
     return str(item) if type(item) is int else json.dumps(item)
 
 
