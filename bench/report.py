@@ -117,7 +117,8 @@ def table(report: dict[str, Any], args: argparse.Namespace) -> str:
     gpu = f", {box['gpu']}" if box["gpu"] else ""
     head = (f"machine: {box['nproc']} cores (nproc), {box['cpu']}, {box['provider']}{gpu} (device {args.device}); "
             f"batch_size {args.batch_size}, max_delay_ms {args.max_delay_ms}, parallelism {args.parallelism}"
-            + (f", JVM {' '.join(args.jvm_options)}" if args.jvm_options else ""))
+            + (f", JVM {' '.join(args.jvm_options)}" if args.jvm_options else "")
+            + (f", warm-up of {args.warm_up_requests:,} requests" if args.warm_up_requests else ""))
     rows = [("", list(report["models"])), *table_rows(list(report["models"].values()), args)]
     widths = [max(len(cells[i]) for _, cells in rows) for i in range(len(report["models"]))]
     # The two-model drain is one figure, not one per model: its rows span the columns.

@@ -463,7 +463,8 @@ def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Na
     path = write_run_config(
         folder, model_path, bootstrap,
         batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms, "run_batch_size": run_batch_size},
-        flink={"parallelism": args.parallelism, "jvm_options": args.jvm_options}, device=args.device, model={"threads": args.threads},
+        flink={"parallelism": args.parallelism, "jvm_options": args.jvm_options, "warm_up_requests": args.warm_up_requests},
+        device=args.device, model={"threads": args.threads},
         kafka={"partitions": args.partitions}, **sections,
     )
     config = load_config(path)
@@ -697,6 +698,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="partitions of the input topics (the job's and the plain loops')")
     parser.add_argument("--jvm-options", type=lambda text: text.split(), default=list(job.flink.jvm_options),
                         help="the job's flink.jvm_options, space-separated: --jvm-options=-XX:TieredStopAtLevel=1")
+    parser.add_argument("--warm-up-requests", type=int, default=job.flink.warm_up_requests,
+                        help="the job's flink.warm_up_requests: served before it serves, in each new JVM")
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--run-batch-size", type=int,

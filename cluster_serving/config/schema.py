@@ -166,6 +166,7 @@ class FlinkConfig(_Section):
     # None listed: Flink's Kafka connector from the per-user cache (cluster_serving.jvm).
     jars: Annotated[tuple[File, ...], _none_is(())] = ()
     jvm_options: Annotated[tuple[JvmOption, ...], _none_is(())] = ()
+    warm_up_requests: StrictInt = Field(0, ge=0, le=10_000_000)
 
     @property
     def savepoint_dir(self) -> Path:

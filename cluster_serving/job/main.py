@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -36,6 +37,9 @@ from cluster_serving.job.kafka_io import RESULT_RECORD, drop_committer_gauge_war
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
 from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # noqa: E402
+from cluster_serving.job.warm_up import LIMIT_S as WARM_UP_LIMIT_S  # noqa: E402
+from cluster_serving.job.warm_up import TOPIC_CONFIGS as WARM_UP_TOPIC_CONFIGS  # noqa: E402
+from cluster_serving.job.warm_up import results_awaited, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
 from cluster_serving.net.ports import port_taken  # noqa: E402
@@ -159,8 +163,11 @@ def preflight(config: ServingConfig) -> Repository:
                 f"flink.rest_port: 127.0.0.1:{port} is in use; stop what listens there "
                 "(`cluster-serving status` shows a running instance) or set another flink.rest_port"
             )
-    elif config.flink.jvm_options:
-        log.warning("flink.jvm_options are for the embedded cluster: under `flink run`, set the cluster's env.java.opts")
+    else:
+        if config.flink.jvm_options:
+            log.warning("flink.jvm_options are for the embedded cluster: under `flink run`, set the cluster's env.java.opts")
+        if config.flink.warm_up_requests:
+            log.warning("flink.warm_up_requests is for the embedded cluster: a Flink cluster's TaskManagers outlive its jobs")
     repository_check(config, repository)
     ensure_topics(config.kafka)
     return repository
@@ -287,6 +294,8 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     returns the exit code. RESTART_SIGNAL stops the job with a final savepoint and submits it
     again from there, as the config file reads now, in this process: the new job runs in the
     same JVM, on the code its JIT compiled for the last (docs/operations.md)."""
+    if config.flink.warm_up_requests and not submitted_by_flink_cli():
+        warm_up(config, repository, infer)
     client, watch, stays = submit(config, repository, fresh, infer)
     if not stays:
         return 0
@@ -304,6 +313,53 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
             await_closed_cluster(config.flink.rest_port)
         repository = preflight(config)
         client, watch, _ = submit(config, repository, False, infer)
+
+
+def warm_up(config: ServingConfig, repository: Repository, infer: InferStage) -> None:
+    """Serves flink.warm_up_requests requests of zeros through the same pipeline on topics of their
+    own (job/warm_up.py), then stops that job with a savepoint, so that the serving job starts in a
+    JVM whose JIT has compiled its per-request path. A warm-up that fails is logged; serving goes on."""
+    count = config.flink.warm_up_requests
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
+        warm = warm_up_config(config, Path(folder))
+        client = None
+        try:
+            ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS)
+            env = create_environment(warm, None)
+            build_pipeline(env, warm, RoutingTable.of(repository), request_source(warm.kafka, control_key(Path(folder))), infer)
+            request, answered, deadline = zeros_request(repository), 0, started + WARM_UP_LIMIT_S
+            bursts = warm_up_bursts(request, count)
+            log.info("warming up: %d requests of zeros through the job on %s", bursts[-1].stop, warm.kafka.input_topic)
+            with results_awaited(warm) as awaited:
+                for burst in bursts:
+                    write_requests(warm, request, burst)
+                    client = client or env.execute_async(f"{JOB_NAME} warm-up")
+                    answered += awaited(len(burst), deadline)
+                    if time.monotonic() > deadline:
+                        break
+            await_quiet_compilers()
+            final_savepoint(client, Path(folder))
+        except Exception as exc:  # py4j and Kafka errors alike: the job serves unwarmed
+            log.warning("warm-up failed (%s); serving without it", str(exc).splitlines()[0])
+            if client is not None and not client.get_job_status().result().is_globally_terminal_state():
+                client.cancel().result()
+            return
+        finally:
+            await_closed_cluster(config.flink.rest_port)
+    log.info("warmed up: %d of %d requests answered in %.1f s", answered, bursts[-1].stop, time.monotonic() - started)
+
+
+def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: float = 0.5) -> None:
+    """Waits (up to `timeout_s`) until the JVM's JIT compilers spend less than `busy_ms` of each
+    `every_s`: what they queued under the warm-up's load is then compiled."""
+    compilation = get_gateway().jvm.java.lang.management.ManagementFactory.getCompilationMXBean()
+    deadline, spent = time.monotonic() + timeout_s, compilation.getTotalCompilationTime()
+    while time.monotonic() < deadline:
+        time.sleep(every_s)
+        spent, before = compilation.getTotalCompilationTime(), spent
+        if spent - before < busy_ms:
+            return
 
 
 def await_closed_cluster(rest_port: int, timeout_s: float = 30.0) -> None:
@@ -334,15 +390,20 @@ def stop_with_savepoint(client: JobClient, folder: Path) -> None:
     """Stops the job the way Flink stops cleanly: a final savepoint, after which the sink has
     flushed every result and the next start resumes exactly there; cancels if that fails."""
     log.info("stopping job %s with a final savepoint", client.get_job_id())
-    # PyFlink's JobClient.stop_with_savepoint (still in 2.2.1) calls a Java signature Flink 2 no longer has
-    # (it needs the savepoint format), so the Java client is called directly.
-    format_type = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
     try:
-        path = client._j_job_client.stopWithSavepoint(False, folder.as_uri(), format_type).get()
+        path = final_savepoint(client, folder)
         log.info("final savepoint %s; the next start resumes from it", path)
     except Exception as exc:  # py4j wraps Flink's reasons in its own error types
         log.warning("no final savepoint (%s); cancelling the job", str(exc).splitlines()[0])
         client.cancel().result()
+
+
+def final_savepoint(client: JobClient, folder: Path) -> str:
+    """Stops the job with a savepoint in `folder`; returns its path."""
+    # PyFlink's JobClient.stop_with_savepoint (still in 2.2.1) calls a Java signature Flink 2 no longer has
+    # (it needs the savepoint format), so the Java client is called directly.
+    format_type = get_gateway().jvm.org.apache.flink.core.execution.SavepointFormatType.CANONICAL
+    return client._j_job_client.stopWithSavepoint(False, folder.as_uri(), format_type).get()
 
 
 def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:

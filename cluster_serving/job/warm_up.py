@@ -1,0 +1,124 @@
+"""A new JVM's warm-up (flink.warm_up_requests): before the job serves, the same pipeline serves
+requests of zeros on topics of its own, so that the JIT has compiled the per-request path (Kafka's
+clients, the batcher, the frames, the sink) before the first real request comes, not under it.
+A job restarted in its JVM needs none (docs/operations.md, "A warm-up before the job serves").
+
+This module makes the warm-up's config and feeds it; job/main.py submits and stops its job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from cluster_serving.config import ServingConfig
+from cluster_serving.kafka.connection import KafkaConnection
+from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, client_settings, fetched, topic_partitions
+from cluster_serving.runtime.repository import Repository
+from cluster_serving.runtime.signature import servable_signature
+from cluster_serving.wire.inputs import encode_alike_requests, encode_request
+from cluster_serving.wire.tensors import TensorSpec, stacks
+
+log = logging.getLogger("cluster_serving.job")
+
+# Appended to the input and result topics' names and to the group id.
+SUFFIX = ".warm-up"
+# Each start writes new warm-up records; the broker drops them after ten minutes.
+TOPIC_CONFIGS = {"retention.ms": "600000"}
+# The warm-up's requests come in bursts of up to this many, each answered before the next.
+BURST = 200_000
+# Requests encoded and handed to librdkafka together.
+ENCODE_TOGETHER = 1000
+# At most this many bytes of requests: the per-request path warms with the count, and a few
+# thousand large requests already cost the model far more than the path (docs/operations.md).
+MAX_BYTES = 256 << 20
+# The warm-up ends after this long, or when its results stop coming for STALLED_S; the job then
+# serves whatever is left unanswered of it.
+LIMIT_S = 60.0
+STALLED_S = 20.0
+TIMEOUT_S = 10.0
+
+
+def warm_up_config(config: ServingConfig, checkpoint_dir: Path) -> ServingConfig:
+    """`config` on the warm-up topics, under a group and transactional ids of their own, with no
+    dead letters, checkpointing into `checkpoint_dir`."""
+    kafka = config.kafka.model_copy(update={
+        "input_topic": config.kafka.input_topic + SUFFIX, "result_topic": config.kafka.result_topic + SUFFIX,
+        "group_id": config.kafka.group_id + SUFFIX, "dead_letter_topic": "",
+    })
+    return config.model_copy(update={"kafka": kafka, "flink": config.flink.model_copy(update={"checkpoint_dir": checkpoint_dir})})
+
+
+def zeros_request(repository: Repository) -> dict[str, np.ndarray]:
+    """One request of zeros ("" for strings) for the default model's newest version: each input's
+    shape with free dimensions 1, without the batch dimension when its instances are stacked."""
+    servable = repository.servables[repository.default]
+    inputs = servable_signature(repository, servable, max(servable.versions)).inputs
+    return {spec.name: _zeros(spec, stacked=stacks(inputs)) for spec in inputs}
+
+
+def _zeros(spec: TensorSpec, stacked: bool) -> np.ndarray:
+    shape = tuple(1 if dim is None else dim for dim in spec.shape[1 if stacked else 0:])
+    return np.full(shape, "", dtype=object) if spec.dtype == np.dtype(object) else np.zeros(shape, spec.dtype)
+
+
+def warm_up_bursts(request: dict[str, np.ndarray], count: int) -> list[range]:
+    """The numbers of `count` requests, or of as many as MAX_BYTES holds, in bursts of BURST or fewer."""
+    count = min(count, MAX_BYTES // len(encode_request("warm-up", request)))
+    return [range(start, min(start + BURST, count)) for start in range(0, count, BURST)]
+
+
+@contextmanager
+def results_awaited(config: ServingConfig) -> Iterator[Callable[[int, float], int]]:
+    """A function that waits for `count` results on the warm-up result topic, counted from its end
+    as it is now, until a time.monotonic() `deadline`, and returns how many came (fewer when the
+    deadline passed or they stopped for STALLED_S)."""
+    results = Consumer({**_settings(config), **CONSUMER_DEFAULTS, "group.id": config.kafka.group_id,
+                        "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        partitions = topic_partitions(results, config.kafka.result_topic, TIMEOUT_S)
+        results.assign([TopicPartition(p.topic, p.partition, results.get_watermark_offsets(p, TIMEOUT_S)[1])
+                        for p in partitions])
+        yield lambda count, deadline: _count(results, count, deadline)
+    finally:
+        results.close()
+
+
+def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range) -> None:
+    """Copies of `request` on the warm-up input topic, their uris warm-up-<number>. The first burst
+    is written before the warm-up job starts: it meets them as a backlog and drains them in full
+    fetches, as it will a real one."""
+    producer = Producer({**_settings(config), "linger.ms": 5})
+    uris = (f"warm-up-{i}" for i in numbers)
+    while chunk := list(islice(uris, ENCODE_TOGETHER)):
+        payloads = encode_alike_requests([(uri, request) for uri in chunk]) or [encode_request(uri, request) for uri in chunk]
+        for uri, payload in zip(chunk, payloads, strict=True):
+            while True:
+                try:
+                    producer.produce(config.kafka.input_topic, payload, uri.encode())
+                    break
+                except BufferError:  # librdkafka's queue is full: let it send
+                    producer.poll(0.05)
+        producer.poll(0)
+    producer.flush()
+
+
+def _settings(config: ServingConfig) -> dict:
+    connection = KafkaConnection.of(config.kafka)
+    return client_settings(connection.bootstrap_servers, connection.properties, log, "the warm-up waits")
+
+
+def _count(results: Consumer, count: int, deadline: float) -> int:
+    seen, last = 0, time.monotonic()
+    while seen < count and time.monotonic() - last < STALLED_S and time.monotonic() < deadline:
+        records = fetched(results, 1.0)
+        if records:
+            seen, last = seen + len(records), time.monotonic()
+    return seen

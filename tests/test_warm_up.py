@@ -1,0 +1,60 @@
+"""flink.warm_up_requests: before the job serves, in a new JVM, the same pipeline serves requests
+of zeros on topics of its own (<input_topic>.warm-up, <result_topic>.warm-up) and is stopped; the
+serving job then starts in that JVM. The warm-up answers every one of its requests with the model's
+prediction, writes nothing to the real topics, and the real requests, written before the start,
+are each answered once after it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from cluster_serving.client import InputQueue, OutputQueue
+from cluster_serving.job.warm_up import BURST, MAX_BYTES, SUFFIX, warm_up_bursts
+from cluster_serving.kafka.admin import topic_records
+from cluster_serving.ops.sample_model import FEATURES
+from cluster_serving.wire.inputs import encode_request
+from tests.conftest import collect
+
+WARM_UP = 3000
+REAL = 300
+
+
+def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write_config, start_job) -> None:
+    path, config = write_config(flink={"warm_up_requests": WARM_UP})
+    kafka = config.kafka
+    features = np.random.default_rng(7).normal(size=(REAL, FEATURES)).astype(np.float32)
+    uris = [f"real-{i}" for i in range(REAL)]
+    with InputQueue(kafka.bootstrap_servers, kafka.input_topic) as inputs:
+        inputs.enqueue_batch((uri, {"features": features[i]}) for i, uri in enumerate(uris))
+
+    job = start_job(path, config)
+    log = job.log_text()
+    assert f"warmed up: {WARM_UP} of {WARM_UP} requests answered" in log
+    assert log.index("warmed up") < log.index(f"job {job.job_id} submitted")
+
+    session = ort.InferenceSession(str(config.model.path))
+    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
+        results = collect(outputs, REAL, 120)
+    assert sorted(results) == sorted(uris)
+    expected = session.run(None, {"features": features})[0]
+    for i, uri in enumerate(uris):
+        np.testing.assert_allclose(results[uri]["probabilities"], expected[i], atol=1e-5)
+
+    with OutputQueue(kafka.bootstrap_servers, kafka.result_topic + SUFFIX, group_id=f"{kafka.group_id}-warm") as outputs:
+        warm_results = collect(outputs, WARM_UP, 60)
+    assert sorted(warm_results) == sorted(f"warm-up-{i}" for i in range(WARM_UP))
+    zeros = session.run(None, {"features": np.zeros((1, FEATURES), np.float32)})[0][0]
+    for result in warm_results.values():
+        np.testing.assert_allclose(result["probabilities"], zeros, atol=1e-5)
+    assert len(topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)) == WARM_UP
+    assert not [record for record in topic_records(kafka.bootstrap_servers, kafka.result_topic)
+                if record.key.startswith(b"warm-up-")]
+
+
+def test_a_warm_up_comes_in_bursts_and_at_most_max_bytes_of_requests() -> None:
+    small = {"features": np.zeros(FEATURES, np.float32)}
+    assert warm_up_bursts(small, 2 * BURST + 5) == [range(BURST), range(BURST, 2 * BURST), range(2 * BURST, 2 * BURST + 5)]
+    large = {"image": np.zeros((3, 64, 64), np.float32)}
+    capped = warm_up_bursts(large, 1_000_000)
+    assert capped == [range(MAX_BYTES // len(encode_request("warm-up", large)))] and len(capped[0]) < BURST
