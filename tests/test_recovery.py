@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -262,3 +263,21 @@ def test_stop_takes_a_final_savepoint_and_start_resumes_there(write_config, tmp_
     print(json.dumps(figures))
     assert "resuming from the retained savepoint" in second.log_text()
     assert figures["duplicates collapsed"] == 0
+
+
+def test_a_stop_asked_as_the_job_is_submitted_stops_it_cleanly(write_config, tmp_path: Path) -> None:
+    """Ctrl-C the moment the job is submitted, before its tasks run: the job process waits until
+    they can take the final savepoint, takes it and exits 0."""
+    path, config = write_config()
+    job = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job.log")
+    job.spawn()
+    assert job.process is not None
+    try:
+        deadline = time.monotonic() + 120
+        while not job.ready_pattern.search(job.log_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        job.process.send_signal(signal.SIGINT)
+        assert job.process.wait(60) == 0, job.log_tail()
+    finally:
+        job.stop()
+    assert "final savepoint file:" in job.log_text() and "cancelling" not in job.log_text(), job.log_tail()

@@ -8,12 +8,13 @@ Or submit to a running Flink cluster:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -267,12 +268,13 @@ def submit(config: ServingConfig, repository: Repository, fresh: bool, infer: In
 
 class Signals:
     """What signals asked of this process: to stop (SIGINT, SIGTERM) or to restart its job
-    (RESTART_SIGNAL); a stop wins. A handler only sets a flag: interrupting a py4j call
-    mid-flight would log a traceback."""
+    (RESTART_SIGNAL); a stop wins. A handler only records the signal: interrupting a py4j call
+    mid-flight would log a traceback, and a threading.Event set from a handler can deadlock on its
+    own lock, where SimpleQueue.put is reentrant."""
 
     def __init__(self) -> None:
-        self.asked = threading.Event()
         self.stop = self.restart = False
+        self._received: queue.SimpleQueue[int] = queue.SimpleQueue()
         for signum in (signal.SIGINT, signal.SIGTERM, RESTART_SIGNAL):
             signal.signal(signum, self._handle)
 
@@ -281,11 +283,21 @@ class Signals:
             self.restart = True
         else:
             self.stop = True
-        self.asked.set()
+        self._received.put(signum)
+
+    @property
+    def asked(self) -> bool:
+        return self.stop or self.restart
+
+    def wait(self, timeout: float) -> bool:
+        """Whether a signal has asked for something, now or within `timeout` seconds."""
+        if not self.asked:
+            with contextlib.suppress(queue.Empty):
+                self._received.get(timeout=timeout)
+        return self.asked
 
     def clear(self) -> None:
         self.restart = False
-        self.asked.clear()
 
 
 def run(config: ServingConfig, repository: Repository, fresh: bool = False, infer: InferStage = infer_stage) -> int:
@@ -294,12 +306,14 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     returns the exit code. RESTART_SIGNAL stops the job with a final savepoint and submits it
     again from there, as the config file reads now, in this process: the new job runs in the
     same JVM, on the code its JIT compiled for the last (docs/operations.md)."""
+    signals = Signals()  # from here on, a stop asked while the job starts is a clean stop once it runs
     if config.flink.warm_up_requests and not submitted_by_flink_cli():
         warm_up(config, repository, infer)
+        if signals.stop:
+            return 0
     client, watch, stays = submit(config, repository, fresh, infer)
     if not stays:
         return 0
-    signals = Signals()
     while True:
         if not serve_until_asked(client, config, watch, signals):
             return 1
@@ -341,7 +355,7 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage) ->
             await_quiet_compilers()
             final_savepoint(client, Path(folder))
         except Exception as exc:  # py4j and Kafka errors alike: the job serves unwarmed
-            log.warning("warm-up failed (%s); serving without it", str(exc).splitlines()[0])
+            log.warning("warm-up failed (%s); serving without it", java_reason(exc))
             if client is not None and not client.get_job_status().result().is_globally_terminal_state():
                 client.cancel().result()
             return
@@ -375,7 +389,7 @@ def serve_until_asked(client: JobClient, config: ServingConfig, watch: Repositor
     """Polls the job and the model repository until a signal asks for something (True) or the
     job ends by itself (False)."""
     polled = time.monotonic()
-    while not signals.asked.wait(1.0):
+    while not signals.wait(1.0):
         status = client.get_job_status().result()
         if status.is_globally_terminal_state():
             log.error("job %s ended: %s (see the Flink log)", client.get_job_id(), status.name)
@@ -386,16 +400,31 @@ def serve_until_asked(client: JobClient, config: ServingConfig, watch: Repositor
     return True
 
 
-def stop_with_savepoint(client: JobClient, folder: Path) -> None:
+def stop_with_savepoint(client: JobClient, folder: Path, retry_s: float = 15.0) -> None:
     """Stops the job the way Flink stops cleanly: a final savepoint, after which the sink has
-    flushed every result and the next start resumes exactly there; cancels if that fails."""
+    flushed every result and the next start resumes exactly there. A job whose tasks are still
+    starting cannot take one yet, so it is tried again for `retry_s`; then the job is cancelled."""
     log.info("stopping job %s with a final savepoint", client.get_job_id())
-    try:
-        path = final_savepoint(client, folder)
-        log.info("final savepoint %s; the next start resumes from it", path)
-    except Exception as exc:  # py4j wraps Flink's reasons in its own error types
-        log.warning("no final savepoint (%s); cancelling the job", str(exc).splitlines()[0])
-        client.cancel().result()
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            path = final_savepoint(client, folder)
+            break
+        except Exception as exc:  # py4j wraps Flink's reasons in its own error types
+            if time.monotonic() < deadline and not client.get_job_status().result().is_globally_terminal_state():
+                time.sleep(0.5)
+                continue
+            log.warning("no final savepoint (%s); cancelling the job", java_reason(exc))
+            client.cancel().result()
+            return
+    log.info("final savepoint %s; the next start resumes from it", path)
+
+
+def java_reason(exc: Exception) -> str:
+    """The innermost cause of a py4j error's Java trace (Flink's own words), else its first line."""
+    lines = str(exc).splitlines()
+    causes = [line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by: ")]
+    return causes[-1] if causes else lines[0]
 
 
 def final_savepoint(client: JobClient, folder: Path) -> str:
@@ -411,7 +440,7 @@ def main(argv: list[str] | None = None, infer: InferStage = infer_stage) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore retained checkpoints")
     args = parser.parse_args(argv)
     configure_logging()
-    # Until run() handles it, a restart asked for while the job starts is dropped (its default would end this process).
+    # Until run() handles it, a restart asked for during the start-up checks is dropped (its default would end this process).
     signal.signal(RESTART_SIGNAL, signal.SIG_IGN)
 
     def serve() -> int:
@@ -427,8 +456,8 @@ class JobFailed(Exception):
 
 def exit_code(work: Callable[[], int], verbose: bool = False) -> int:
     """Runs a command's work: a mistake a user can make is one `error:` line and exit code 2 (and
-    its traceback when `verbose`). Ctrl-C, or `cluster-serving start` stopping its children, while
-    the job was starting (run() turns signals into a clean stop once the job is submitted), is 130:
+    its traceback when `verbose`). Ctrl-C, or `cluster-serving start` stopping its children, during
+    the start-up checks (from run() on, signals are a clean stop once the job runs), is 130:
     nothing to undo."""
     try:
         return work()
