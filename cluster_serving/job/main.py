@@ -422,7 +422,7 @@ def stop_with_savepoint(client: JobClient, folder: Path, retry_s: float = 15.0) 
 
 def java_reason(exc: Exception) -> str:
     """The innermost cause of a py4j error's Java trace (Flink's own words), else its first line."""
-    lines = str(exc).splitlines()
+    lines = str(exc).splitlines() or [type(exc).__name__]
     causes = [line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by: ")]
     return causes[-1] if causes else lines[0]
 
