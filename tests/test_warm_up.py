@@ -6,12 +6,18 @@ are each answered once after it."""
 
 from __future__ import annotations
 
+import re
+import signal
+import time
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.job.warm_up import BURST, MAX_BYTES, SUFFIX, warm_up_bursts
 from cluster_serving.kafka.admin import topic_records
+from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.sample_model import FEATURES
 from cluster_serving.wire.inputs import encode_request
 from tests.conftest import collect
@@ -58,3 +64,22 @@ def test_a_warm_up_comes_in_bursts_and_at_most_max_bytes_of_requests() -> None:
     large = {"image": np.zeros((3, 64, 64), np.float32)}
     capped = warm_up_bursts(large, 1_000_000)
     assert capped == [range(MAX_BYTES // len(encode_request("warm-up", large)))] and len(capped[0]) < BURST
+
+
+def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(write_config, tmp_path: Path) -> None:
+    count = 2 * BURST + 1
+    path, config = write_config(flink={"warm_up_requests": count})
+    job = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job.log")
+    job.spawn()
+    assert job.process is not None
+    try:
+        deadline = time.monotonic() + 120
+        while "warming up:" not in job.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.process.send_signal(signal.SIGINT)
+        assert job.process.wait(90) == 0, job.log_tail()
+    finally:
+        job.stop()
+    log = job.log_text()
+    assert f"warmed up: {BURST} of {count} requests answered" in log, job.log_tail()
+    assert not re.search(r"job [0-9a-f]{32} submitted", log)

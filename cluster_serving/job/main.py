@@ -308,7 +308,7 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     same JVM, on the code its JIT compiled for the last (docs/operations.md)."""
     signals = Signals()  # from here on, a stop asked while the job starts is a clean stop once it runs
     if config.flink.warm_up_requests and not submitted_by_flink_cli():
-        warm_up(config, repository, infer)
+        warm_up(config, repository, infer, signals)
         if signals.stop:
             return 0
     client, watch, stays = submit(config, repository, fresh, infer)
@@ -329,10 +329,11 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         client, watch, _ = submit(config, repository, False, infer)
 
 
-def warm_up(config: ServingConfig, repository: Repository, infer: InferStage) -> None:
+def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals) -> None:
     """Serves flink.warm_up_requests requests of zeros through the same pipeline on topics of their
     own (job/warm_up.py), then stops that job with a savepoint, so that the serving job starts in a
-    JVM whose JIT has compiled its per-request path. A warm-up that fails is logged; serving goes on."""
+    JVM whose JIT has compiled its per-request path. A warm-up that fails is logged; serving goes on.
+    A stop asked meanwhile ends it once the burst in flight is answered."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
@@ -350,7 +351,7 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage) ->
                     write_requests(warm, request, burst)
                     client = client or env.execute_async(f"{JOB_NAME} warm-up")
                     answered += awaited(len(burst), deadline)
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline or signals.stop:
                         break
             await_quiet_compilers()
             final_savepoint(client, Path(folder))
