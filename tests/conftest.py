@@ -4,6 +4,8 @@ and embedded jobs that are always stopped, also when a test fails."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import ssl
 import time
 import urllib.error
@@ -64,6 +66,21 @@ def start_job(tmp_path: Path) -> Iterator[Callable[[Path, ServingConfig], Embedd
 
     yield start
     for job in started:
+        job.stop()
+
+
+def interrupted_once_logged(job: EmbeddedJob, pattern: str, timeout: float = 120) -> int:
+    """Spawns `job`, sends its process SIGINT (Ctrl-C) the moment its log matches `pattern`, and
+    returns its exit code; the job's log stays readable."""
+    job.spawn()
+    assert job.process is not None
+    try:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, job.log_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        job.process.send_signal(signal.SIGINT)
+        return job.process.wait(timeout)
+    finally:
         job.stop()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +26,7 @@ from cluster_serving.kafka.admin import records_written, topic_records
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.processes import write_run_config
 from cluster_serving.ops.sample_model import FEATURES
-from tests.conftest import collect
+from tests.conftest import collect, interrupted_once_logged
 from tests.failing_job import FAILURE
 
 KILL_COUNT = 10_000
@@ -270,14 +269,5 @@ def test_a_stop_asked_as_the_job_is_submitted_stops_it_cleanly(write_config, tmp
     they can take the final savepoint, takes it and exits 0."""
     path, config = write_config()
     job = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job.log")
-    job.spawn()
-    assert job.process is not None
-    try:
-        deadline = time.monotonic() + 120
-        while not job.ready_pattern.search(job.log_text()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        job.process.send_signal(signal.SIGINT)
-        assert job.process.wait(60) == 0, job.log_tail()
-    finally:
-        job.stop()
+    assert interrupted_once_logged(job, job.ready_pattern.pattern) == 0, job.log_tail()
     assert "final savepoint file:" in job.log_text() and "cancelling" not in job.log_text(), job.log_tail()

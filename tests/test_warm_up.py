@@ -7,8 +7,6 @@ are each answered once after it."""
 from __future__ import annotations
 
 import re
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +18,7 @@ from cluster_serving.kafka.admin import topic_records
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.sample_model import FEATURES
 from cluster_serving.wire.inputs import encode_request
-from tests.conftest import collect
+from tests.conftest import collect, interrupted_once_logged
 
 WARM_UP = 3000
 REAL = 300
@@ -70,16 +68,7 @@ def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(wr
     count = 2 * BURST + 1
     path, config = write_config(flink={"warm_up_requests": count})
     job = EmbeddedJob(path, config.flink.rest_port, log_path=tmp_path / "job.log")
-    job.spawn()
-    assert job.process is not None
-    try:
-        deadline = time.monotonic() + 120
-        while "warming up:" not in job.log_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        job.process.send_signal(signal.SIGINT)
-        assert job.process.wait(90) == 0, job.log_tail()
-    finally:
-        job.stop()
+    assert interrupted_once_logged(job, "warming up:") == 0, job.log_tail()
     log = job.log_text()
     assert f"warmed up: {BURST} of {count} requests answered" in log, job.log_tail()
     assert not re.search(r"job [0-9a-f]{32} submitted", log)
