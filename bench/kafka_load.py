@@ -20,7 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, Pro
 from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.client.queues import PRODUCER_SETTINGS
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, fetched, gc_paused, topic_partitions
+from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, fetched, gc_paused, produce_waiting, topic_partitions
 from cluster_serving.wire.codec import EncodedImage, decode_message
 from cluster_serving.wire.open_inference import decode_answer
 
@@ -214,13 +214,8 @@ def raw_requests(bootstrap_servers: str, topic: str,
     failures: list[str] = []
 
     def send(uri: str, sample: np.ndarray | EncodedImage) -> None:
-        while True:
-            try:
-                producer.produce(topic, raw_value(sample), uri.encode(),
-                                 on_delivery=lambda error, _: failures.append(f"{uri}: {error}") if error else None)
-                break
-            except BufferError:  # the local queue is full: let deliveries drain it
-                producer.poll(PACING_SLEEP_S)
+        produce_waiting(producer, topic, raw_value(sample), uri.encode(), PACING_SLEEP_S,
+                        on_delivery=lambda error, _: failures.append(f"{uri}: {error}") if error else None)
         producer.poll(0)
 
     def flush() -> None:

@@ -43,6 +43,7 @@ from cluster_serving.kafka.librdkafka import (
     fetched,
     gc_paused,
     keyword_settings,
+    produce_waiting,
     topic_partitions,
 )
 from cluster_serving.wire.codec import DecodeError, decode_message
@@ -265,18 +266,14 @@ class InputQueue:
         self._raise_if_refused()
         if self._lag_probe is not None:
             self._wait_for_room()
-        while True:
-            try:
-                self._producer.produce(self.topic, payload, uri.encode(), headers=headers)
-                break
-            except BufferError:  # librdkafka's queue is full: let it write some
-                self._producer.poll(QUEUE_FULL_WAIT_S)
-                self._raise_if_refused()
-            except KafkaException as exc:
-                if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    raise ValueError(f"request {uri!r} is {len(payload)} bytes encoded, over Kafka's record "
-                                     f"limit of {KAFKA_RECORD_BYTES}") from None
-                raise
+        try:
+            produce_waiting(self._producer, self.topic, payload, uri.encode(), QUEUE_FULL_WAIT_S,
+                            self._raise_if_refused, headers=headers)
+        except KafkaException as exc:
+            if exc.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                raise ValueError(f"request {uri!r} is {len(payload)} bytes encoded, over Kafka's record "
+                                 f"limit of {KAFKA_RECORD_BYTES}") from None
+            raise
         self._producer.poll(0)
 
     def _refuse(self, why: str) -> None:

@@ -20,7 +20,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from cluster_serving.config import ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
-from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, client_settings, fetched, topic_partitions
+from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, client_settings, fetched, produce_waiting, topic_partitions
 from cluster_serving.runtime.repository import Repository
 from cluster_serving.runtime.signature import servable_signature
 from cluster_serving.wire.inputs import encode_alike_requests, encode_request
@@ -44,6 +44,8 @@ MAX_BYTES = 256 << 20
 LIMIT_S = 60.0
 STALLED_S = 20.0
 TIMEOUT_S = 10.0
+# How long librdkafka gets to send when its queue is full.
+QUEUE_FULL_WAIT_S = 0.05
 
 
 def warm_up_config(config: ServingConfig, checkpoint_dir: Path) -> ServingConfig:
@@ -100,12 +102,7 @@ def write_requests(config: ServingConfig, request: dict[str, np.ndarray], number
     while chunk := list(islice(uris, ENCODE_TOGETHER)):
         payloads = encode_alike_requests([(uri, request) for uri in chunk]) or [encode_request(uri, request) for uri in chunk]
         for uri, payload in zip(chunk, payloads, strict=True):
-            while True:
-                try:
-                    producer.produce(config.kafka.input_topic, payload, uri.encode())
-                    break
-                except BufferError:  # librdkafka's queue is full: let it send
-                    producer.poll(0.05)
+            produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S)
         producer.poll(0)
     producer.flush()
 

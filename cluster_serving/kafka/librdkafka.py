@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 # Records handed over per fetched() call once the first has come (the rest are already fetched).
 CONSUME_BATCH = 1000
@@ -66,6 +66,19 @@ def client_settings(
 def keyword_settings(keywords: Mapping[str, Any]) -> dict[str, Any]:
     """Python keywords as Kafka's setting names: security_protocol -> security.protocol."""
     return {key.replace("_", "."): value for key, value in keywords.items()}
+
+
+def produce_waiting(producer: Producer, topic: str, value: bytes, key: bytes, wait_s: float,
+                    while_full: Callable[[], None] = lambda: None, **options: Any) -> None:
+    """Hands one record to librdkafka; while its queue is full, lets it send for `wait_s` at a time,
+    calling `while_full` after each wait (a caller's check that waiting still makes sense)."""
+    while True:
+        try:
+            producer.produce(topic, value, key, **options)
+            return
+        except BufferError:
+            producer.poll(wait_s)
+            while_full()
 
 
 def fetched(consumer: Consumer, wait_s: float, behind: int = CONSUME_BATCH) -> list[Message]:
