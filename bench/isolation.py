@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.kafka_load import ResultReader, paced
+from bench.kafka_load import ResultReader
 from bench.models import bench_models, build_slow
 from bench.report import group_cpu_seconds, json_safe, machine
 from bench.run import BROKER_TIMESTAMPS, DEFAULT_HIDDEN, LATENCY_WARMUP_S, paced_latency, progress, running_drain
 from cluster_serving.client import InputQueue
 from cluster_serving.config import ServingConfig, load_config
 from cluster_serving.kafka.admin import ensure_topics
+from cluster_serving.kafka.librdkafka import paced
 from cluster_serving.ops.children import EmbeddedJob, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,14 +20,12 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, Message, Pro
 from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.client.queues import PRODUCER_SETTINGS
 from cluster_serving.config import KAFKA_RECORD_BYTES
-from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, fetched, gc_paused, produce_waiting, topic_partitions
+from cluster_serving.kafka.librdkafka import (
+    CONSUMER_DEFAULTS, PACING_SLEEP_S, fetched, gc_paused, paced, produce_waiting, topic_partitions,
+)
 from cluster_serving.wire.codec import EncodedImage, decode_message
 from cluster_serving.wire.open_inference import decode_answer
 
-# The paced sender's shortest sleep. A sleep costs ~60 us, so one per request fell behind at 10k req/s;
-# sleeping at least this long sends the requests that came due meanwhile together, in bursts of
-# rate x 1 ms, each stamped when it is really sent. (Spinning instead took a core of two from the job.)
-PACING_SLEEP_S = 0.001
 # How long the paced sender waits for its last requests to be written.
 DELIVERY_TIMEOUT_S = 60.0
 METADATA_TIMEOUT_S = 30.0
@@ -45,18 +43,6 @@ class Arrival:
     model: str | None = None  # the model that served it, as its result says
     appended_ms: int = 0  # when the broker appended the result (the bench's topics: LogAppendTime)
     inference_us: int | None = None  # the job's serving stage for the whole batch, as the result says
-
-
-def paced(count: int, rate: float) -> Iterator[int]:
-    """0 to count - 1, each once it falls due at `rate` per second (0: all at once), never by a busy
-    wait (see PACING_SLEEP_S)."""
-    interval = 1.0 / rate if rate else 0.0
-    started = time.perf_counter()
-    for i in range(count):
-        ahead = started + i * interval - time.perf_counter()
-        if ahead > 0:
-            time.sleep(max(ahead, PACING_SLEEP_S))
-        yield i
 
 
 class ResultReader:

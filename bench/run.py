@@ -76,13 +76,14 @@ import yaml
 from bench.baseline import CLIENTS as PLAIN_LOOP_CLIENTS
 from bench.baseline import READY_LINE as PLAIN_LOOP_READY
 from bench.http_load import http_load, http_protocol, predict_requests
-from bench.kafka_load import Arrival, ResultReader, paced, paced_sender, raw_requests
+from bench.kafka_load import Arrival, ResultReader, paced_sender, raw_requests
 from bench.models import BenchModel, bench_models
 from bench.report import batch_stats, group_cpu_seconds, json_safe, latency_ms, machine, plural, table, with_ratios
 from cluster_serving.client.queues import InputQueue, OutputQueue
 from cluster_serving.config import ConfigError, ServingConfig, defaults, load_config
 from cluster_serving.config.command_line import OneLineParser
 from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
+from cluster_serving.kafka.librdkafka import paced
 from cluster_serving.ops.children import ChildProcess, EmbeddedJob, HttpBridge, LocalBroker
 from cluster_serving.ops.processes import free_port, write_run_config
 from cluster_serving.runtime.model import open_session

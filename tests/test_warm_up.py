@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cluster_serving.client import InputQueue, OutputQueue
-from cluster_serving.job.warm_up import BURST, MAX_BYTES, SUFFIX, warm_up_bursts
+from cluster_serving.job.warm_up import BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, warm_up_bursts
 from cluster_serving.kafka.admin import topic_records
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.sample_model import FEATURES
@@ -34,7 +34,10 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
 
     job = start_job(path, config)
     log = job.log_text()
-    assert f"warmed up: {WARM_UP} of {WARM_UP} requests answered" in log
+    warmed = re.search(r"warmed up: (\d+) of (\d+) requests answered in [\d.]+ s \(the last paced at ([\d,]+), ([\d,]+), ([\d,]+) req/s\)", log)
+    assert warmed, job.log_tail()
+    answered, total, *rates = (int(figure.replace(",", "")) for figure in warmed.groups())
+    assert answered == total > WARM_UP and 0 < rates[0] < rates[1] < rates[2]
     assert log.index("warmed up") < log.index(f"job {job.job_id} submitted")
 
     session = ort.InferenceSession(str(config.model.path))
@@ -46,12 +49,12 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
         np.testing.assert_allclose(results[uri]["probabilities"], expected[i], atol=1e-5)
 
     with OutputQueue(kafka.bootstrap_servers, kafka.result_topic + SUFFIX, group_id=f"{kafka.group_id}-warm") as outputs:
-        warm_results = collect(outputs, WARM_UP, 60)
-    assert sorted(warm_results) == sorted(f"warm-up-{i}" for i in range(WARM_UP))
+        warm_results = collect(outputs, total, 60)
+    assert sorted(warm_results) == sorted(f"warm-up-{i}" for i in range(total))
     zeros = session.run(None, {"features": np.zeros((1, FEATURES), np.float32)})[0][0]
     for result in warm_results.values():
         np.testing.assert_allclose(result["probabilities"], zeros, atol=1e-5)
-    assert len(topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)) == WARM_UP
+    assert len(topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)) == total
     assert not [record for record in topic_records(kafka.bootstrap_servers, kafka.result_topic)
                 if record.key.startswith(b"warm-up-")]
 
@@ -62,6 +65,14 @@ def test_a_warm_up_comes_in_bursts_and_at_most_max_bytes_of_requests() -> None:
     large = {"image": np.zeros((3, 64, 64), np.float32)}
     capped = warm_up_bursts(large, 1_000_000)
     assert capped == [range(MAX_BYTES // len(encode_request("warm-up", large)))] and len(capped[0]) < BURST
+
+
+def test_after_its_bursts_a_warm_up_paces_requests_at_fractions_of_the_rate_they_were_answered_at() -> None:
+    tail = paced_tail(1000, 80_000.0)
+    assert [rate for _, rate in tail] == [fraction * 80_000 for fraction in TAIL_FRACTIONS]
+    assert [len(numbers) for numbers, rate in tail] == [round(rate * TAIL_SECONDS) for _, rate in tail]
+    assert tail[0][0].start == 1000 and all(a.stop == b.start for (a, _), (b, _) in zip(tail, tail[1:]))
+    assert [len(numbers) for numbers, _ in paced_tail(0, 2.0)] == [2, 2, 2]  # at least one a second
 
 
 def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(write_config, tmp_path: Path) -> None:

@@ -39,8 +39,9 @@ from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
 from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # noqa: E402
 from cluster_serving.job.warm_up import LIMIT_S as WARM_UP_LIMIT_S  # noqa: E402
+from cluster_serving.job.warm_up import STALLED_S as WARM_UP_STALLED_S  # noqa: E402
 from cluster_serving.job.warm_up import TOPIC_CONFIGS as WARM_UP_TOPIC_CONFIGS  # noqa: E402
-from cluster_serving.job.warm_up import results_awaited, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
+from cluster_serving.job.warm_up import paced_tail, results_awaited, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
 from cluster_serving.net.ports import port_taken  # noqa: E402
@@ -330,29 +331,36 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
 
 
 def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals) -> None:
-    """Serves flink.warm_up_requests requests of zeros through the same pipeline on topics of their
-    own (job/warm_up.py), then stops that job with a savepoint, so that the serving job starts in a
+    """Serves flink.warm_up_requests requests of zeros in bursts, then a few more paced, through the
+    same pipeline on topics of their own (job/warm_up.py), then stops that job with a savepoint, so that the serving job starts in a
     JVM whose JIT has compiled its per-request path. A warm-up that fails is logged; serving goes on.
     A stop asked meanwhile ends it once the burst in flight is answered."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
         warm = warm_up_config(config, Path(folder))
-        client = None
+        client, tail = None, []
         try:
             ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS)
             env = create_environment(warm, None)
             build_pipeline(env, warm, RoutingTable.of(repository), request_source(warm.kafka, control_key(Path(folder))), infer)
             request, answered, deadline = zeros_request(repository), 0, started + WARM_UP_LIMIT_S
             bursts = warm_up_bursts(request, count)
-            log.info("warming up: %d requests of zeros through the job on %s", bursts[-1].stop, warm.kafka.input_topic)
+            log.info("warming up: %d requests of zeros through the job on %s, then some paced", bursts[-1].stop, warm.kafka.input_topic)
             with results_awaited(warm) as awaited:
                 for burst in bursts:
+                    written = time.monotonic()
                     write_requests(warm, request, burst)
                     client = client or env.execute_async(f"{JOB_NAME} warm-up")
                     answered += awaited(len(burst), deadline)
                     if time.monotonic() > deadline or signals.stop:
                         break
+                else:  # every burst answered: then paced, at fractions of the rate the last one was
+                    capacity = len(bursts[-1]) / (time.monotonic() - written)
+                    tail = paced_tail(bursts[-1].stop, capacity)
+                    for numbers, rate in tail:
+                        write_requests(warm, request, numbers, rate)
+                    answered += awaited(tail[-1][0].stop - bursts[-1].stop, time.monotonic() + WARM_UP_STALLED_S)
             await_quiet_compilers()
             final_savepoint(client, Path(folder))
         except Exception as exc:  # py4j and Kafka errors alike: the job serves unwarmed
@@ -362,7 +370,9 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
             return
         finally:
             await_closed_cluster(config.flink.rest_port)
-    log.info("warmed up: %d of %d requests answered in %.1f s", answered, bursts[-1].stop, time.monotonic() - started)
+    rates = ", ".join(f"{rate:,.0f}" for _, rate in tail)
+    log.info("warmed up: %d of %d requests answered in %.1f s%s", answered, (tail[-1][0] if tail else bursts[-1]).stop,
+             time.monotonic() - started, f" (the last paced at {rates} req/s)" if tail else "")
 
 
 def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: float = 0.5) -> None:

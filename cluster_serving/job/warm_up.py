@@ -1,6 +1,7 @@
 """A new JVM's warm-up (flink.warm_up_requests): before the job serves, the same pipeline serves
 requests of zeros on topics of its own, so that the JIT has compiled the per-request path (Kafka's
-clients, the batcher, the frames, the sink) before the first real request comes, not under it.
+clients, the batcher, the frames, the sink) before the first real request comes, not under it:
+first as backlogs (full frames), then paced (a steady load's small frames).
 A job restarted in its JVM needs none (docs/operations.md, "A warm-up before the job serves").
 
 This module makes the warm-up's config and feeds it; job/main.py submits and stops its job.
@@ -12,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from cluster_serving.config import ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
-from cluster_serving.kafka.librdkafka import CONSUMER_DEFAULTS, client_settings, fetched, produce_waiting, topic_partitions
+from cluster_serving.kafka.librdkafka import (
+    CONSUMER_DEFAULTS, client_settings, fetched, paced, produce_waiting, topic_partitions,
+)
 from cluster_serving.runtime.repository import Repository
 from cluster_serving.runtime.signature import servable_signature
 from cluster_serving.wire.inputs import encode_alike_requests, encode_request
@@ -39,6 +41,11 @@ ENCODE_TOGETHER = 1000
 # At most this many bytes of requests: the per-request path warms with the count, and a few
 # thousand large requests already cost the model far more than the path (docs/operations.md).
 MAX_BYTES = 256 << 20
+# After the bursts, requests paced at these fractions of the rate the last burst was answered at,
+# TAIL_SECONDS each: a job warmed on backlogs alone compiled again for a steady load's smaller
+# frames under its first minute of one (docs/benchmarks.md, "A warm-up paced as well").
+TAIL_FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
+TAIL_SECONDS = 2.0
 # The warm-up ends after this long, or when its results stop coming for STALLED_S; the job then
 # serves whatever is left unanswered of it.
 LIMIT_S = 60.0
@@ -93,18 +100,34 @@ def results_awaited(config: ServingConfig) -> Iterator[Callable[[int, float], in
         results.close()
 
 
-def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range) -> None:
-    """Copies of `request` on the warm-up input topic, their uris warm-up-<number>. The first burst
-    is written before the warm-up job starts: it meets them as a backlog and drains them in full
-    fetches, as it will a real one."""
+def paced_tail(first: int, capacity: float) -> list[tuple[range, float]]:
+    """The paced requests after the bursts, numbered from `first`: for each of TAIL_FRACTIONS of
+    `capacity` (req/s), TAIL_SECONDS of requests and their rate."""
+    tail = []
+    for fraction in TAIL_FRACTIONS:
+        rate = max(1.0, fraction * capacity)
+        tail.append((range(first, first := first + max(1, round(rate * TAIL_SECONDS))), rate))
+    return tail
+
+
+def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range, rate: float = 0.0) -> None:
+    """Copies of `request` on the warm-up input topic, their uris warm-up-<number>, at `rate` per
+    second (0: as fast as they go). The first burst is written before the warm-up job starts: it
+    meets them as a backlog and drains them in full fetches, as it will a real one."""
     producer = Producer({**_settings(config), "linger.ms": 5})
-    uris = (f"warm-up-{i}" for i in numbers)
-    while chunk := list(islice(uris, ENCODE_TOGETHER)):
-        payloads = encode_alike_requests([(uri, request) for uri in chunk]) or [encode_request(uri, request) for uri in chunk]
-        for uri, payload in zip(chunk, payloads, strict=True):
-            produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S)
+    payloads = _payloads([f"warm-up-{i}" for i in numbers], request)
+    for _, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
+        produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S)
         producer.poll(0)
     producer.flush()
+
+
+def _payloads(uris: list[str], request: dict[str, np.ndarray]) -> Iterator[tuple[str, bytes]]:
+    """(uri, `request` encoded for it), ENCODE_TOGETHER at a time."""
+    for start in range(0, len(uris), ENCODE_TOGETHER):
+        chunk = uris[start:start + ENCODE_TOGETHER]
+        payloads = encode_alike_requests([(uri, request) for uri in chunk]) or [encode_request(uri, request) for uri in chunk]
+        yield from zip(chunk, payloads, strict=True)
 
 
 def _settings(config: ServingConfig) -> dict:
