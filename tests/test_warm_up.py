@@ -11,10 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from confluent_kafka import Consumer
 
 from cluster_serving.client import InputQueue, OutputQueue
-from cluster_serving.job.warm_up import BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, warm_up_bursts
-from cluster_serving.kafka.admin import topic_records
+from cluster_serving.job.warm_up import (
+    BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, skip_earlier_requests, warm_up_bursts, warm_up_config,
+)
+from cluster_serving.kafka.admin import ensure_topics, topic_records
+from cluster_serving.kafka.librdkafka import committed_offsets, topic_partitions
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.sample_model import FEATURES
 from cluster_serving.wire.inputs import encode_request
@@ -73,6 +77,23 @@ def test_after_its_bursts_a_warm_up_paces_requests_at_fractions_of_the_rate_they
     assert [len(numbers) for numbers, rate in tail] == [round(rate * TAIL_SECONDS) for _, rate in tail]
     assert tail[0][0].start == 1000 and all(a.stop == b.start for (a, _), (b, _) in zip(tail, tail[1:]))
     assert [len(numbers) for numbers, _ in paced_tail(0, 2.0)] == [2, 2, 2]  # at least one a second
+
+
+def test_a_warm_up_starts_past_the_requests_an_earlier_one_left_on_its_topic(write_config, tmp_path: Path) -> None:
+    _, config = write_config()
+    warm = warm_up_config(config, tmp_path)
+    ensure_topics(warm.kafka)
+    with InputQueue(warm.kafka.bootstrap_servers, warm.kafka.input_topic) as inputs:
+        inputs.enqueue_batch((f"earlier-{i}", {"features": np.zeros(FEATURES, np.float32)}) for i in range(25))
+    skip_earlier_requests(warm)
+    consumer = Consumer({"bootstrap.servers": warm.kafka.bootstrap_servers, "group.id": warm.kafka.group_id})
+    try:
+        partitions = topic_partitions(consumer, warm.kafka.input_topic, 10)
+        committed = committed_offsets(consumer, partitions, 10)
+        ends = [consumer.get_watermark_offsets(partition, 10)[1] for partition in partitions]
+    finally:
+        consumer.close()
+    assert [partition.offset for partition in committed] == ends and sum(ends) >= 25
 
 
 def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(write_config, tmp_path: Path) -> None:

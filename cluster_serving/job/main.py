@@ -41,7 +41,7 @@ from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # 
 from cluster_serving.job.warm_up import LIMIT_S as WARM_UP_LIMIT_S  # noqa: E402
 from cluster_serving.job.warm_up import STALLED_S as WARM_UP_STALLED_S  # noqa: E402
 from cluster_serving.job.warm_up import TOPIC_CONFIGS as WARM_UP_TOPIC_CONFIGS  # noqa: E402
-from cluster_serving.job.warm_up import paced_tail, results_awaited, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
+from cluster_serving.job.warm_up import paced_tail, results_awaited, skip_earlier_requests, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
 from cluster_serving.net.ports import port_taken  # noqa: E402
@@ -342,6 +342,7 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
         client, tail = None, []
         try:
             ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS)
+            skip_earlier_requests(warm)
             env = create_environment(warm, None)
             build_pipeline(env, warm, RoutingTable.of(repository), request_source(warm.kafka, control_key(Path(folder))), infer)
             request, answered, deadline = zeros_request(repository), 0, started + WARM_UP_LIMIT_S

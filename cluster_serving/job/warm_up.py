@@ -21,7 +21,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from cluster_serving.config import ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.kafka.librdkafka import (
-    CONSUMER_DEFAULTS, client_settings, fetched, paced, produce_waiting, topic_partitions,
+    CONSUMER_DEFAULTS, client_settings, commit_offsets, fetched, paced, produce_waiting, topic_partitions,
 )
 from cluster_serving.runtime.repository import Repository
 from cluster_serving.runtime.signature import servable_signature
@@ -108,6 +108,20 @@ def paced_tail(first: int, capacity: float) -> list[tuple[range, float]]:
         rate = max(1.0, fraction * capacity)
         tail.append((range(first, first := first + max(1, round(rate * TAIL_SECONDS))), rate))
     return tail
+
+
+def skip_earlier_requests(config: ServingConfig) -> None:
+    """Commits the warm-up group's offsets at the warm-up input topic's end, so that this warm-up's
+    job starts with its own requests, not with the last requests of an earlier warm-up: the group's
+    offsets stay where that warm-up job's last checkpoint left them (its final savepoint's commit
+    may not reach the broker before the job ends)."""
+    consumer = Consumer({**_settings(config), "group.id": config.kafka.group_id, "enable.auto.commit": False})
+    try:
+        partitions = topic_partitions(consumer, config.kafka.input_topic, TIMEOUT_S)
+        commit_offsets(consumer, [TopicPartition(p.topic, p.partition, consumer.get_watermark_offsets(p, TIMEOUT_S)[1])
+                                  for p in partitions], TIMEOUT_S)
+    finally:
+        consumer.close()
 
 
 def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range, rate: float = 0.0) -> None:

@@ -132,13 +132,25 @@ def committed_offsets(consumer: Consumer, partitions: list[TopicPartition], time
     asked again while the broker's group coordinator is still loading (for up to `timeout_s`):
     librdkafka's own question for an assign() gave up on that answer (Not coordinator), and the
     partitions stayed unread."""
+    return _coordinator_answer(lambda: consumer.committed(partitions, timeout=timeout_s), timeout_s)
+
+
+def commit_offsets(consumer: Consumer, offsets: list[TopicPartition], timeout_s: float) -> None:
+    """Commits `offsets` for the consumer's group, asked again while its coordinator is still
+    loading (for up to `timeout_s`)."""
+    _coordinator_answer(lambda: consumer.commit(offsets=offsets, asynchronous=False), timeout_s)
+
+
+def _coordinator_answer(ask: Callable[[], list[TopicPartition]], timeout_s: float) -> list[TopicPartition]:
+    """What `ask` answers once no partition of it has an error, asked again while the error is
+    retriable or the group coordinator is not ready, for up to `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            committed = consumer.committed(partitions, timeout=timeout_s)
-            error = next((partition.error for partition in committed if partition.error), None)
+            answer = ask()
+            error = next((partition.error for partition in answer if partition.error), None)
             if error is None:
-                return committed
+                return answer
         except KafkaException as exc:
             error = exc.args[0]
         if not (error.retriable() or error.code() in COORDINATOR_NOT_READY) or time.monotonic() >= deadline:
