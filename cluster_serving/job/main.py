@@ -332,9 +332,10 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
 
 def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals) -> None:
     """Serves flink.warm_up_requests requests of zeros in bursts, then a few more paced, through the
-    same pipeline on topics of their own (job/warm_up.py), then stops that job with a savepoint, so that the serving job starts in a
-    JVM whose JIT has compiled its per-request path. A warm-up that fails is logged; serving goes on.
-    A stop asked meanwhile ends it once the burst in flight is answered."""
+    same pipeline on topics of their own (job/warm_up.py), then stops that job with a savepoint, so
+    that the serving job starts in a JVM whose JIT has compiled its per-request path. A warm-up that
+    fails is logged; serving goes on. A stop asked meanwhile ends it once the burst in flight is
+    answered, unpaced."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:

@@ -28,9 +28,9 @@ REFUSED_THIS_CLIENT = "refused this client"
 # (100,000) wait in its local queue: a reader of a backlog then sat idle most of a second each
 # time it had read that many (docs/benchmarks.md, "A plain loop's pause").
 CONSUMER_DEFAULTS = {"fetch.queue.backoff.ms": 10}
-# A paced writer's shortest sleep (paced()). A sleep costs ~60 us, so one per request fell behind at 10k req/s;
-# sleeping at least this long sends the requests that came due meanwhile together, in bursts of
-# rate x 1 ms, each stamped when it is really sent. (Spinning instead took a core of two from the job.)
+# A paced writer's shortest sleep (paced()). A sleep costs ~60 us, so one per request fell behind
+# at 10k req/s; sleeping at least this long sends the requests that came due meanwhile together, in
+# bursts of rate x 1 ms. (Spinning instead took a core of two from the job.)
 PACING_SLEEP_S = 0.001
 COORDINATOR_NOT_READY = {
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
