@@ -7,6 +7,7 @@ are each answered once after it."""
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,23 @@ def test_a_warm_up_starts_past_the_requests_an_earlier_one_left_on_its_topic(wri
     finally:
         consumer.close()
     assert [partition.offset for partition in committed] == ends and sum(ends) >= 25
+
+
+def test_a_warm_up_waits_for_its_input_topic_to_be_known_before_it_commits_past_earlier_requests(write_config, tmp_path: Path) -> None:
+    _, config = write_config(kafka={"partitions": 3})
+    warm = warm_up_config(config, tmp_path)
+    creating = threading.Timer(1.0, ensure_topics, (warm.kafka,))
+    creating.start()
+    try:
+        skip_earlier_requests(warm)  # before the topic exists, then right after it was created
+    finally:
+        creating.join()
+    consumer = Consumer({"bootstrap.servers": warm.kafka.bootstrap_servers, "group.id": warm.kafka.group_id})
+    try:
+        committed = committed_offsets(consumer, topic_partitions(consumer, warm.kafka.input_topic, 10), 10)
+    finally:
+        consumer.close()
+    assert [partition.offset for partition in committed] == [0, 0, 0]
 
 
 def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(write_config, tmp_path: Path) -> None:

@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer
 
 from cluster_serving.config import ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
 from cluster_serving.kafka.librdkafka import (
-    CONSUMER_DEFAULTS, client_settings, commit_offsets, fetched, paced, produce_waiting, topic_partitions,
+    CONSUMER_DEFAULTS, client_settings, commit_offsets, end_offsets, fetched, paced, produce_waiting,
 )
 from cluster_serving.runtime.repository import Repository
 from cluster_serving.runtime.signature import servable_signature
@@ -92,9 +92,7 @@ def results_awaited(config: ServingConfig) -> Iterator[Callable[[int, float], in
     results = Consumer({**_settings(config), **CONSUMER_DEFAULTS, "group.id": config.kafka.group_id,
                         "enable.auto.commit": False, "isolation.level": "read_committed"})
     try:
-        partitions = topic_partitions(results, config.kafka.result_topic, TIMEOUT_S)
-        results.assign([TopicPartition(p.topic, p.partition, results.get_watermark_offsets(p, TIMEOUT_S)[1])
-                        for p in partitions])
+        results.assign(end_offsets(results, config.kafka.result_topic, TIMEOUT_S))
         yield lambda count, deadline: _count(results, count, deadline)
     finally:
         results.close()
@@ -117,9 +115,7 @@ def skip_earlier_requests(config: ServingConfig) -> None:
     may not reach the broker before the job ends)."""
     consumer = Consumer({**_settings(config), "group.id": config.kafka.group_id, "enable.auto.commit": False})
     try:
-        partitions = topic_partitions(consumer, config.kafka.input_topic, TIMEOUT_S)
-        commit_offsets(consumer, [TopicPartition(p.topic, p.partition, consumer.get_watermark_offsets(p, TIMEOUT_S)[1])
-                                  for p in partitions], TIMEOUT_S)
+        commit_offsets(consumer, end_offsets(consumer, config.kafka.input_topic, TIMEOUT_S), TIMEOUT_S)
     finally:
         consumer.close()
 

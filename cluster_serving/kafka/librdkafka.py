@@ -35,6 +35,11 @@ PACING_SLEEP_S = 0.001
 COORDINATOR_NOT_READY = {
     KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
 }
+# A topic just created, whose partitions or leaders the broker does not know yet: asked again.
+LEADER_NOT_READY = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+}
 
 
 def client_settings(
@@ -125,6 +130,25 @@ def topic_partitions(consumer: Consumer, topic: str, timeout_s: float) -> list[T
     if metadata is None or metadata.error is not None:
         return []
     return [TopicPartition(topic, pid) for pid in sorted(metadata.partitions)]
+
+
+def end_offsets(consumer: Consumer, topic: str, timeout_s: float) -> list[TopicPartition]:
+    """Each partition of `topic` at its end (high watermark), asked again while the topic or a
+    partition's leader is not known yet, for up to `timeout_s`: a topic created a moment ago
+    answered "Not leader for partition"."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            partitions = topic_partitions(consumer, topic, timeout_s)
+            if partitions:
+                return [TopicPartition(topic, partition.partition, consumer.get_watermark_offsets(partition, timeout_s)[1])
+                        for partition in partitions]
+            error = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, f"topic {topic!r} is not known to the broker")
+        except KafkaException as exc:
+            error = exc.args[0]
+        if error.code() not in LEADER_NOT_READY or time.monotonic() >= deadline:
+            raise KafkaException(error)
+        time.sleep(COORDINATOR_RETRY_S)
 
 
 def committed_offsets(consumer: Consumer, partitions: list[TopicPartition], timeout_s: float) -> list[TopicPartition]:
