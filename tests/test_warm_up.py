@@ -17,11 +17,13 @@ from confluent_kafka import Consumer
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.job.warm_up import (
     BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, skip_earlier_requests, warm_up_bursts, warm_up_config,
+    warm_up_topic_settings, write_requests,
 )
-from cluster_serving.kafka.admin import ensure_topics, topic_records
+from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
 from cluster_serving.kafka.librdkafka import committed_offsets, topic_partitions
 from cluster_serving.ops.children import EmbeddedJob
 from cluster_serving.ops.sample_model import FEATURES
+from cluster_serving.wire.codec import CONTROL_HEADER
 from cluster_serving.wire.inputs import encode_request
 from tests.conftest import collect, interrupted_once_logged
 
@@ -59,7 +61,10 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
     zeros = session.run(None, {"features": np.zeros((1, FEATURES), np.float32)})[0][0]
     for result in warm_results.values():
         np.testing.assert_allclose(result["probabilities"], zeros, atol=1e-5)
-    assert len(topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)) == total
+    warm_requests = topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)
+    assert len([record for record in warm_requests if record.key is not None]) == total
+    tables = [record for record in warm_requests if (CONTROL_HEADER, b"table") in record.headers]
+    assert len(tables) == kafka.partitions and all(record.key is None for record in tables)  # a table on each, before the burst
     assert not [record for record in topic_records(kafka.bootstrap_servers, kafka.result_topic)
                 if record.key.startswith(b"warm-up-")]
 
@@ -112,6 +117,28 @@ def test_a_warm_up_waits_for_its_input_topic_to_be_known_before_it_commits_past_
     finally:
         consumer.close()
     assert [partition.offset for partition in committed] == [0, 0, 0]
+
+
+def test_every_other_burst_of_a_warm_up_is_written_in_a_transaction(write_config, tmp_path: Path) -> None:
+    _, config = write_config(kafka={"partitions": 1})
+    warm = warm_up_config(config, tmp_path)
+    ensure_topics(warm.kafka)
+    request = {"features": np.zeros(FEATURES, np.float32)}
+    write_requests(warm, request, range(10))
+    write_requests(warm, request, range(10, 20), transaction=True)
+    ends = end_offsets(warm.kafka.bootstrap_servers, warm.kafka.input_topic)
+    records = topic_records(warm.kafka.bootstrap_servers, warm.kafka.input_topic, "read_committed")
+    assert [record.key for record in records] == [f"warm-up-{i}".encode() for i in range(20)]
+    assert list(ends.values()) == [21]  # the transaction's commit marker takes an offset of its own
+
+
+def test_warm_up_topics_copy_the_serving_topics_timestamp_type(write_config, tmp_path: Path) -> None:
+    _, config = write_config()
+    kafka = config.kafka
+    ensure_topics(kafka, per_topic={kafka.input_topic: {"message.timestamp.type": "LogAppendTime"}})
+    assert warm_up_topic_settings(config) == {
+        kafka.input_topic + SUFFIX: {"message.timestamp.type": "LogAppendTime"}, kafka.result_topic + SUFFIX: {},
+    }
 
 
 def test_a_stop_during_the_warm_up_ends_it_after_its_burst_and_serves_nothing(write_config, tmp_path: Path) -> None:

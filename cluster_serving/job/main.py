@@ -41,7 +41,10 @@ from cluster_serving.job.repository_watch import RepositoryWatch, send_table  # 
 from cluster_serving.job.warm_up import LIMIT_S as WARM_UP_LIMIT_S  # noqa: E402
 from cluster_serving.job.warm_up import STALLED_S as WARM_UP_STALLED_S  # noqa: E402
 from cluster_serving.job.warm_up import TOPIC_CONFIGS as WARM_UP_TOPIC_CONFIGS  # noqa: E402
-from cluster_serving.job.warm_up import paced_tail, results_awaited, skip_earlier_requests, warm_up_bursts, warm_up_config, write_requests, zeros_request  # noqa: E402
+from cluster_serving.job.warm_up import (  # noqa: E402
+    paced_tail, results_awaited, skip_earlier_requests, warm_up_bursts, warm_up_config, warm_up_topic_settings, write_requests,
+    zeros_request,
+)
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
 from cluster_serving.net.ports import port_taken  # noqa: E402
@@ -342,17 +345,19 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
         warm = warm_up_config(config, Path(folder))
         client, tail = None, []
         try:
-            ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS)
+            ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS, per_topic=warm_up_topic_settings(config))
             skip_earlier_requests(warm)
             env = create_environment(warm, None)
-            build_pipeline(env, warm, RoutingTable.of(repository), request_source(warm.kafka, control_key(Path(folder))), infer)
+            table, key = RoutingTable.of(repository), control_key(Path(folder))
+            build_pipeline(env, warm, table, request_source(warm.kafka, key), infer)
             request, answered, deadline = zeros_request(repository), 0, started + WARM_UP_LIMIT_S
             bursts = warm_up_bursts(request, count)
             log.info("warming up: %d requests of zeros through the job on %s, then some paced", bursts[-1].stop, warm.kafka.input_topic)
             with results_awaited(warm) as awaited:
-                for burst in bursts:
+                for number, burst in enumerate(bursts):
                     written = time.monotonic()
-                    write_requests(warm, request, burst)
+                    send_table(warm, table, key)
+                    write_requests(warm, request, burst, transaction=number % 2 == 1)
                     client = client or env.execute_async(f"{JOB_NAME} warm-up")
                     answered += awaited(len(burst), deadline)
                     if time.monotonic() > deadline or signals.stop:

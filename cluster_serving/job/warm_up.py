@@ -1,7 +1,10 @@
 """A new JVM's warm-up (flink.warm_up_requests): before the job serves, the same pipeline serves
 requests of zeros on topics of its own, so that the JIT has compiled the per-request path (Kafka's
 clients, the batcher, the frames, the sink) before the first real request comes, not under it:
-first as backlogs (full frames), then paced (a steady load's small frames).
+first as backlogs (full frames), then paced (a steady load's small frames). The warm-up meets what
+the serving job meets, or the JIT throws away its compiled path at the first branch the warm-up
+never took: a routing table's control record before each burst, every other burst written in a
+Kafka transaction, and topics with the serving topics' timestamp type.
 A job restarted in its JVM needs none (docs/operations.md, "A warm-up before the job serves").
 
 This module makes the warm-up's config and feeds it; job/main.py submits and stops its job.
@@ -16,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, ConfigResource
 
 from cluster_serving.config import ServingConfig
 from cluster_serving.kafka.connection import KafkaConnection
@@ -34,6 +38,8 @@ log = logging.getLogger("cluster_serving.job")
 SUFFIX = ".warm-up"
 # Each start writes new warm-up records; the broker drops them after ten minutes.
 TOPIC_CONFIGS = {"retention.ms": "600000"}
+# The serving topics' settings that their warm-up topics copy: Kafka's clients branch on them.
+COPIED_SETTINGS = ("message.timestamp.type",)
 # The warm-up's requests come in bursts of up to this many, each answered before the next.
 BURST = 200_000
 # Requests encoded and handed to librdkafka together.
@@ -63,6 +69,24 @@ def warm_up_config(config: ServingConfig, checkpoint_dir: Path) -> ServingConfig
         "group_id": config.kafka.group_id + SUFFIX, "dead_letter_topic": "",
     })
     return config.model_copy(update={"kafka": kafka, "flink": config.flink.model_copy(update={"checkpoint_dir": checkpoint_dir})})
+
+
+def warm_up_topic_settings(config: ServingConfig) -> dict[str, dict[str, str]]:
+    """{warm-up topic: COPIED_SETTINGS of the serving topic it stands for}, each set on that topic
+    (none where the broker does not say: the warm-up then runs on the broker's defaults)."""
+    admin = AdminClient(_settings(config))
+    topics = {config.kafka.input_topic: config.kafka.input_topic + SUFFIX, config.kafka.result_topic: config.kafka.result_topic + SUFFIX}
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic) for topic in topics], request_timeout=TIMEOUT_S)
+    settings = {}
+    for resource, future in futures.items():
+        try:
+            entries = future.result()
+        except KafkaException as exc:
+            log.debug("warm-up: the settings of topic %s are not known (%s)", resource.name, exc)
+            continue
+        settings[topics[resource.name]] = {name: entries[name].value for name in COPIED_SETTINGS
+                                           if name in entries and not entries[name].is_default}
+    return settings
 
 
 def zeros_request(repository: Repository) -> dict[str, np.ndarray]:
@@ -120,15 +144,23 @@ def skip_earlier_requests(config: ServingConfig) -> None:
         consumer.close()
 
 
-def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range, rate: float = 0.0) -> None:
+def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range, rate: float = 0.0,
+                   transaction: bool = False) -> None:
     """Copies of `request` on the warm-up input topic, their uris warm-up-<number>, at `rate` per
-    second (0: as fast as they go). The first burst is written before the warm-up job starts: it
-    meets them as a backlog and drains them in full fetches, as it will a real one."""
-    producer = Producer({**_settings(config), "linger.ms": 5})
+    second (0: as fast as they go), in one Kafka transaction if asked. The first burst is written
+    before the warm-up job starts: it meets them as a backlog and drains them in full fetches, as
+    it will a real one."""
+    transactional = {"transactional.id": f"{config.kafka.group_id}.writer"} if transaction else {}
+    producer = Producer({**_settings(config), "linger.ms": 5, **transactional})
+    if transaction:
+        producer.init_transactions(TIMEOUT_S)
+        producer.begin_transaction()
     payloads = _payloads([f"warm-up-{i}" for i in numbers], request)
     for _, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
         produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S)
         producer.poll(0)
+    if transaction:
+        producer.commit_transaction(TIMEOUT_S)
     producer.flush()
 
 

@@ -72,10 +72,12 @@ def quiet_admin_client(timeout_s: float, **properties: Any) -> KafkaAdminClient:
         )
 
 
-def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Mapping[str, str] | None = None) -> None:
+def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Mapping[str, str] | None = None,
+                  per_topic: Mapping[str, Mapping[str, str]] | None = None) -> None:
     """Creates the input, result and dead-letter topics when missing (with `topic_configs` added to their
-    settings); an unreachable broker, or a listener that is not one, is a ConfigError found in
-    seconds (broker_problem) before any Kafka client waits `timeout_s` for it."""
+    settings, and `per_topic`'s settings to the topic it names); an unreachable broker, or a listener
+    that is not one, is a ConfigError found in seconds (broker_problem) before any Kafka client
+    waits `timeout_s` for it."""
     if problem := broker_problem(kafka):
         raise unreachable(kafka.bootstrap_servers, problem)
     try:
@@ -87,7 +89,7 @@ def ensure_topics(kafka: KafkaConfig, timeout_s: float = 10.0, topic_configs: Ma
         wanted = [kafka.input_topic, kafka.result_topic, *filter(None, [kafka.dead_letters])]
         # Records up to KAFKA_RECORD_BYTES, whatever the broker's own default (Kafka's is 1 MiB).
         settings = {"max.message.bytes": str(KAFKA_RECORD_BYTES), **(topic_configs or {})}
-        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs=settings)
+        missing = [NewTopic(topic, kafka.partitions, 1, topic_configs={**settings, **(per_topic or {}).get(topic, {})})
                    for topic in wanted if topic not in existing]
         if missing:
             try:
