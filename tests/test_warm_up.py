@@ -17,7 +17,7 @@ from confluent_kafka import Consumer
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.job.warm_up import (
     BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, skip_earlier_requests, warm_up_bursts, warm_up_config,
-    warm_up_topic_settings, write_requests,
+    SECOND_JOB_BACKLOG_S, second_job_requests, warm_up_topic_settings, write_requests,
 )
 from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
 from cluster_serving.kafka.librdkafka import committed_offsets, topic_partitions
@@ -64,7 +64,8 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
     warm_requests = topic_records(kafka.bootstrap_servers, kafka.input_topic + SUFFIX)
     assert len([record for record in warm_requests if record.key is not None]) == total
     tables = [record for record in warm_requests if (CONTROL_HEADER, b"table") in record.headers]
-    assert len(tables) == kafka.partitions and all(record.key is None for record in tables)  # a table on each, before the burst
+    # On each partition a table before the first job's one burst, and one before the second job's backlog.
+    assert len(tables) == 2 * kafka.partitions and all(record.key is None for record in tables)
     assert not [record for record in topic_records(kafka.bootstrap_servers, kafka.result_topic)
                 if record.key.startswith(b"warm-up-")]
 
@@ -83,6 +84,8 @@ def test_after_its_bursts_a_warm_up_paces_requests_at_fractions_of_the_rate_they
     assert [len(numbers) for numbers, rate in tail] == [round(rate * TAIL_SECONDS) for _, rate in tail]
     assert tail[0][0].start == 1000 and all(a.stop == b.start for (a, _), (b, _) in zip(tail, tail[1:]))
     assert [len(numbers) for numbers, _ in paced_tail(0, 2.0)] == [2, 2, 2]  # at least one a second
+    backlog, paced = second_job_requests(1000, 80_000.0)
+    assert backlog == range(1000, 1000 + round(80_000 * SECOND_JOB_BACKLOG_S)) and paced == paced_tail(backlog.stop, 80_000.0)
 
 
 def test_a_warm_up_starts_past_the_requests_an_earlier_one_left_on_its_topic(write_config, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from py4j.java_gateway import JavaObject
@@ -42,8 +42,8 @@ from cluster_serving.job.warm_up import LIMIT_S as WARM_UP_LIMIT_S  # noqa: E402
 from cluster_serving.job.warm_up import STALLED_S as WARM_UP_STALLED_S  # noqa: E402
 from cluster_serving.job.warm_up import TOPIC_CONFIGS as WARM_UP_TOPIC_CONFIGS  # noqa: E402
 from cluster_serving.job.warm_up import (  # noqa: E402
-    paced_tail, results_awaited, skip_earlier_requests, warm_up_bursts, warm_up_config, warm_up_topic_settings, write_requests,
-    zeros_request,
+    results_awaited, second_job_requests, skip_earlier_requests, warm_up_bursts, warm_up_config, warm_up_topic_settings,
+    write_requests, zeros_request,
 )
 from cluster_serving.jvm import find_java, pipeline_jars  # noqa: E402
 from cluster_serving.kafka.admin import ensure_topics  # noqa: E402
@@ -334,52 +334,76 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
 
 
 def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals) -> None:
-    """Serves flink.warm_up_requests requests of zeros in bursts, then a few more paced, through the
-    same pipeline on topics of their own (job/warm_up.py), then stops that job with a savepoint, so
-    that the serving job starts in a JVM whose JIT has compiled its per-request path. A warm-up that
-    fails is logged; serving goes on. A stop asked meanwhile ends it once the burst in flight is
-    answered, unpaced."""
+    """Serves flink.warm_up_requests requests of zeros through the same pipeline on topics of their
+    own (job/warm_up.py) in two jobs, one after the other: the first in bursts, the second a short
+    backlog as it starts, then paced. The serving job then starts in a JVM whose JIT has compiled
+    its per-request path and has met a job's start twice: after a single warm-up job, it compiled
+    the path again under the serving job's first requests. A warm-up that fails is logged; serving
+    goes on. A stop asked meanwhile ends it once the burst in flight is answered."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
         warm = warm_up_config(config, Path(folder))
-        client, tail = None, []
+        table, key = RoutingTable.of(repository), control_key(Path(folder))
+        request, answered, deadline, capacity = zeros_request(repository), 0, started + WARM_UP_LIMIT_S, 0.0
+        bursts, tail = warm_up_bursts(request, count), []
         try:
             ensure_topics(warm.kafka, topic_configs=WARM_UP_TOPIC_CONFIGS, per_topic=warm_up_topic_settings(config))
-            skip_earlier_requests(warm)
-            env = create_environment(warm, None)
-            table, key = RoutingTable.of(repository), control_key(Path(folder))
-            build_pipeline(env, warm, table, request_source(warm.kafka, key), infer)
-            request, answered, deadline = zeros_request(repository), 0, started + WARM_UP_LIMIT_S
-            bursts = warm_up_bursts(request, count)
-            log.info("warming up: %d requests of zeros through the job on %s, then some paced", bursts[-1].stop, warm.kafka.input_topic)
+            log.info("warming up: %d requests of zeros through the job on %s, then more in a second job", bursts[-1].stop,
+                     warm.kafka.input_topic)
             with results_awaited(warm) as awaited:
-                for number, burst in enumerate(bursts):
-                    written = time.monotonic()
-                    send_table(warm, table, key)
-                    write_requests(warm, request, burst, transaction=number % 2 == 1)
-                    client = client or env.execute_async(f"{JOB_NAME} warm-up")
-                    answered += awaited(len(burst), deadline)
-                    if time.monotonic() > deadline or signals.stop:
-                        break
-                else:  # every burst answered: then paced, at fractions of the rate the last one was
-                    capacity = len(bursts[-1]) / (time.monotonic() - written)
-                    tail = paced_tail(bursts[-1].stop, capacity)
-                    for numbers, rate in tail:
-                        write_requests(warm, request, numbers, rate)
-                    answered += awaited(tail[-1][0].stop - bursts[-1].stop, time.monotonic() + WARM_UP_STALLED_S)
-            await_quiet_compilers()
-            final_savepoint(client, Path(folder))
+                with warm_up_job(warm, table, key, infer) as submit:
+                    for number, burst in enumerate(bursts):
+                        written = time.monotonic()
+                        send_table(warm, table, key)
+                        write_requests(warm, request, burst, transaction=number % 2 == 1)
+                        submit()
+                        answered += awaited(len(burst), deadline)
+                        if time.monotonic() > deadline or signals.stop:
+                            break
+                    else:  # every burst answered: the second job's rates are fractions of the last one's
+                        capacity = len(bursts[-1]) / (time.monotonic() - written)
+                if capacity:
+                    backlog, tail = second_job_requests(bursts[-1].stop, capacity)
+                    with warm_up_job(warm, table, key, infer) as submit:
+                        send_table(warm, table, key)
+                        write_requests(warm, request, backlog)
+                        submit()
+                        answered += awaited(len(backlog), time.monotonic() + WARM_UP_STALLED_S)
+                        for numbers, rate in tail:
+                            write_requests(warm, request, numbers, rate)
+                        answered += awaited(tail[-1][0].stop - backlog.stop, time.monotonic() + WARM_UP_STALLED_S)
         except Exception as exc:  # py4j and Kafka errors alike: the job serves unwarmed
             log.warning("warm-up failed (%s); serving without it", java_reason(exc))
-            if client is not None and not client.get_job_status().result().is_globally_terminal_state():
-                client.cancel().result()
             return
-        finally:
-            await_closed_cluster(config.flink.rest_port)
     rates = ", ".join(f"{rate:,.0f}" for _, rate in tail)
     log.info("warmed up: %d of %d requests answered in %.1f s%s", answered, (tail[-1][0] if tail else bursts[-1]).stop,
              time.monotonic() - started, f" (the last paced at {rates} req/s)" if tail else "")
+
+
+@contextlib.contextmanager
+def warm_up_job(warm: ServingConfig, table: RoutingTable, key: bytes, infer: InferStage) -> Iterator[Callable[[], None]]:
+    """A warm-up job on the warm-up topics, past the requests on them by now; what it yields submits
+    the job (once the requests it should meet as a backlog are written). At the exit the job stops
+    with a savepoint once the JIT's compilers are quiet; on an error it is cancelled."""
+    skip_earlier_requests(warm)
+    env = create_environment(warm, None)
+    build_pipeline(env, warm, table, request_source(warm.kafka, key), infer)
+    clients: list[JobClient] = []
+
+    def submit() -> None:
+        clients[:] = clients or [env.execute_async(f"{JOB_NAME} warm-up")]
+
+    try:
+        yield submit
+        await_quiet_compilers()
+        final_savepoint(clients[0], warm.flink.checkpoint_dir)
+    except BaseException:
+        if clients and not clients[0].get_job_status().result().is_globally_terminal_state():
+            clients[0].cancel().result()
+        raise
+    finally:
+        await_closed_cluster(warm.flink.rest_port)
 
 
 def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: float = 0.5) -> None:

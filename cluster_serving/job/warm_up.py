@@ -52,6 +52,8 @@ MAX_BYTES = 256 << 20
 # frames under its first minute of one (docs/benchmarks.md, "A warm-up paced as well").
 TAIL_FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
 TAIL_SECONDS = 2.0
+# The second warm-up job starts on a backlog of this many seconds of the last burst's rate.
+SECOND_JOB_BACKLOG_S = 0.5
 # The warm-up ends after this long, or when its results stop coming for STALLED_S; the job then
 # serves whatever is left unanswered of it.
 LIMIT_S = 60.0
@@ -130,6 +132,13 @@ def paced_tail(first: int, capacity: float) -> list[tuple[range, float]]:
         rate = max(1.0, fraction * capacity)
         tail.append((range(first, first := first + max(1, round(rate * TAIL_SECONDS))), rate))
     return tail
+
+
+def second_job_requests(first: int, capacity: float) -> tuple[range, list[tuple[range, float]]]:
+    """The second warm-up job's requests, numbered from `first`: the backlog it meets as it starts
+    (SECOND_JOB_BACKLOG_S at `capacity`, in req/s), then the paced ones (paced_tail)."""
+    backlog = range(first, first + max(1, round(capacity * SECOND_JOB_BACKLOG_S)))
+    return backlog, paced_tail(backlog.stop, capacity)
 
 
 def skip_earlier_requests(config: ServingConfig) -> None:
