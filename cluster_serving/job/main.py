@@ -339,7 +339,8 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
     backlog as it starts, then paced. The serving job then starts in a JVM whose JIT has compiled
     its per-request path and has met a job's start twice: after a single warm-up job, it compiled
     the path again under the serving job's first requests. A warm-up that fails is logged; serving
-    goes on. A stop asked meanwhile ends it once the burst in flight is answered."""
+    goes on. A stop asked during the bursts ends it once the burst in flight is answered, without
+    the second job."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
