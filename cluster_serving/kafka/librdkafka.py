@@ -17,9 +17,9 @@ CONSUME_BATCH = 1000
 # librdkafka's log lines kept: critical and worse. Each failed attempt to reach a broker is an error
 # line (syslog level 3), and with the broker gone the bridge's two clients wrote 24 a second.
 LOG_LEVEL = 2
-# A group coordinator that is not ready yet: asked again this often. librdkafka does not call
-# these errors retriable.
-COORDINATOR_RETRY_S = 0.1
+# A broker that is not ready yet (its group coordinator loading, a topic just created): asked
+# again this often. librdkafka does not call these errors retriable.
+NOT_READY_RETRY_S = 0.1
 # The broker answers but will not take this client: its credentials or its TLS settings.
 REFUSED = {KafkaError._AUTHENTICATION, KafkaError._SSL}
 REFUSED_THIS_CLIENT = "refused this client"
@@ -136,19 +136,15 @@ def end_offsets(consumer: Consumer, topic: str, timeout_s: float) -> list[TopicP
     """Each partition of `topic` at its end (high watermark), asked again while the topic or a
     partition's leader is not known yet, for up to `timeout_s`: a topic created a moment ago
     answered "Not leader for partition"."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            partitions = topic_partitions(consumer, topic, timeout_s)
-            if partitions:
-                return [TopicPartition(topic, partition.partition, consumer.get_watermark_offsets(partition, timeout_s)[1])
-                        for partition in partitions]
-            error = KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, f"topic {topic!r} is not known to the broker")
-        except KafkaException as exc:
-            error = exc.args[0]
-        if error.code() not in LEADER_NOT_READY or time.monotonic() >= deadline:
-            raise KafkaException(error)
-        time.sleep(COORDINATOR_RETRY_S)
+
+    def ask() -> list[TopicPartition]:
+        partitions = topic_partitions(consumer, topic, timeout_s)
+        if not partitions:
+            raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART, f"topic {topic!r} is not known to the broker"))
+        return [TopicPartition(topic, partition.partition, consumer.get_watermark_offsets(partition, timeout_s)[1])
+                for partition in partitions]
+
+    return _asked_again(ask, lambda error: error.code() in LEADER_NOT_READY, timeout_s)
 
 
 def committed_offsets(consumer: Consumer, partitions: list[TopicPartition], timeout_s: float) -> list[TopicPartition]:
@@ -168,15 +164,25 @@ def commit_offsets(consumer: Consumer, offsets: list[TopicPartition], timeout_s:
 def _coordinator_answer(ask: Callable[[], list[TopicPartition]], timeout_s: float) -> list[TopicPartition]:
     """What `ask` answers once no partition of it has an error, asked again while the error is
     retriable or the group coordinator is not ready, for up to `timeout_s`."""
+
+    def answer() -> list[TopicPartition]:
+        partitions = ask()
+        if error := next((partition.error for partition in partitions if partition.error), None):
+            raise KafkaException(error)
+        return partitions
+
+    return _asked_again(answer, lambda error: error.retriable() or error.code() in COORDINATOR_NOT_READY, timeout_s)
+
+
+def _asked_again(ask: Callable[[], list[TopicPartition]], not_ready: Callable[[KafkaError], bool],
+                 timeout_s: float) -> list[TopicPartition]:
+    """What `ask` answers, asked again every NOT_READY_RETRY_S while the error it raises is one that
+    `not_ready` says will pass, for up to `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            answer = ask()
-            error = next((partition.error for partition in answer if partition.error), None)
-            if error is None:
-                return answer
+            return ask()
         except KafkaException as exc:
-            error = exc.args[0]
-        if not (error.retriable() or error.code() in COORDINATOR_NOT_READY) or time.monotonic() >= deadline:
-            raise KafkaException(error)
-        time.sleep(COORDINATOR_RETRY_S)
+            if not not_ready(exc.args[0]) or time.monotonic() >= deadline:
+                raise
+        time.sleep(NOT_READY_RETRY_S)
