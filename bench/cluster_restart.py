@@ -101,7 +101,8 @@ def measure(job: ClusterJob, reader: ResultReader, model: BenchModel, folder: Pa
     warmup = args.requests // 10
     first = [f"first-{i}" for i in range(warmup + args.requests)]
     enqueue_batch_all(job.config, first, model.input_name, samples)
-    loops = plain_loop_rates(job.config, model, samples, first, warmup, folder)
+    drains = plain_loop_rates(job.config, model, samples, first, warmup, folder)
+    loops = {client: statistics.median(rates) for client, rates in drains.items()}
     progress(MODEL, "the job's first start, on that backlog ...")
     before = reader.written()
     job.submit()

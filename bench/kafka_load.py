@@ -191,12 +191,18 @@ def queued_requests(bootstrap_servers: str, topic: str, name: str) -> tuple[Send
     return (lambda uri, sample: inputs.enqueue(uri, **{name: sample})), lambda: inputs.flush(DELIVERY_TIMEOUT_S)
 
 
-def raw_requests(bootstrap_servers: str, topic: str,
-                 flush_timeout_s: float = DELIVERY_TIMEOUT_S) -> tuple[SendRequest, Callable[[], None]]:
+def raw_requests(bootstrap_servers: str, topic: str, flush_timeout_s: float = DELIVERY_TIMEOUT_S,
+                 transactional_id: str | None = None) -> tuple[SendRequest, Callable[[], None]]:
     """(send, flush) of requests as a user's producer writes them for the plain loop: key the uri,
     value the sample's raw bytes (raw_value), with InputQueue's producer settings; flush waits
-    `flush_timeout_s` at most for the ones still queued."""
-    producer = Producer({**PRODUCER_SETTINGS, "bootstrap.servers": bootstrap_servers})
+    `flush_timeout_s` at most for the ones still queued. With a `transactional_id` all go in one
+    Kafka transaction, which flush commits."""
+    transactional = {"transactional.id": transactional_id,  # a transaction outlives a record's delivery
+                     "transaction.timeout.ms": PRODUCER_SETTINGS["message.timeout.ms"]} if transactional_id else {}
+    producer = Producer({**PRODUCER_SETTINGS, **transactional, "bootstrap.servers": bootstrap_servers})
+    if transactional_id:
+        producer.init_transactions(flush_timeout_s)
+        producer.begin_transaction()
     failures: list[str] = []
 
     def send(uri: str, sample: np.ndarray | EncodedImage) -> None:
@@ -209,6 +215,8 @@ def raw_requests(bootstrap_servers: str, topic: str,
             raise TimeoutError(f"requests still unsent to {topic} after {flush_timeout_s:g} s")
         if failures:
             raise DeliveryError(f"{len(failures)} requests not delivered, first {failures[0]}")
+        if transactional_id:
+            producer.commit_transaction(flush_timeout_s)
 
     return send, flush
 

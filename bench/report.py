@@ -187,7 +187,7 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("ONNX Runtime run size in a batch", lambda m: (
             f"{m['run_batch_size']}" + ("" if m["run_batch_size"] == b else
                                        f" (raw ORT at {m['run_batch_size']}: {m['raw_ort'][str(m['run_batch_size'])]:,.0f} req/s)"))),
-        *(row(f"plain loop on {client}, raw bytes (req/s)", lambda m, client=client: f"{m['plain_loop'][client]:,.0f}")
+        *(row(f"plain loop on {client}, raw bytes (req/s)", lambda m, client=client: loop_drains(m, client))
           for client in PLAIN_LOOP_CLIENTS),
         row("job capacity, running (req/s)", lambda m: (
             f"{'at least ' if m['capacity_bound_by_writer'] else ''}{m['capacity']:,.0f} (backlog {m['requests']:,}; "
@@ -237,6 +237,13 @@ def table_rows(models: list[dict[str, Any]], args: argparse.Namespace) -> list[t
         row("  the plain loop's missing, paced", lambda m: str(sum(
             phase["missing"] for phase in m["plain_loop_paced"].values() if phase))),
     ]
+
+
+def loop_drains(model: dict[str, Any], client: str) -> str:
+    """A plain loop's capacity, with its drains when it had more than one (the median of them)."""
+    drains = model["plain_loop_drains"][client]
+    return f"{model['plain_loop'][client]:,.0f}" + (
+        f" (median of its drains: {', '.join(f'{rate:,.0f}' for rate in drains)})" if len(drains) > 1 else "")
 
 
 def all_drains(model: dict[str, Any]) -> str:

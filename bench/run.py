@@ -16,7 +16,9 @@ requests), all measured in this run on this machine:
    days), and a ceiling taken minutes away from the drain it divides was as much that drift as the
    job;
 2. plain consumer loop (bench/baseline.py): what a user would write instead of the job, run alone
-   on the same backlog, timed the same way as the job, with the job's run size; last, once the
+   on the same backlog, timed the same way as the job, with the job's run size; the librdkafka
+   loop's capacity is the median of PLAIN_LOOP_DRAINS drains, the rest written in one transaction
+   each while it runs, as the running job's are; last, once the
    job has stopped, the librdkafka loop paced at the job's rate as the job was, from its start and
    warm (plain_loop_paced);
 3. the job: it starts on that backlog and drains it, timed by the broker's append stamps of its
@@ -61,6 +63,7 @@ import math
 import multiprocessing
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -115,6 +118,9 @@ LATENCY_MIN_REQUESTS = 100
 # (docs/benchmarks.md).
 RUNNING_DRAINS = 8
 SETTLED_DRAINS = 3
+# The plain librdkafka loop's capacity: the median of its drains of the backlog, the first
+# written before it starts, the rest while it runs (plain_loop_rates).
+PLAIN_LOOP_DRAINS = 3
 # A running drain is timed only when it takes at least this long: a shorter one is a few bursts of
 # results (docs/benchmarks.md).
 SHORTEST_TIMED_DRAIN_S = 0.25
@@ -254,10 +260,12 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
 
 
 def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarray | list, uris: list[str],
-                     warmup: int, folder: Path) -> dict[str, float]:
-    """Drain rate of each plain loop (PLAIN_LOOP_CLIENTS) over the same backlog as raw bytes, as a
+                     warmup: int, folder: Path) -> dict[str, list[float]]:
+    """Drain rates of each plain loop (PLAIN_LOOP_CLIENTS) over the same backlog as raw bytes, as a
     user's producer writes them, on a topic of its own with the job's partitions; each loop runs
-    alone and writes to a result topic of its own, so that it has the cores to itself as the job will."""
+    alone and writes to a result topic of its own, so that it has the cores to itself as the job
+    will. The librdkafka loop then drains PLAIN_LOOP_DRAINS - 1 backlogs as large more, each
+    written in one transaction while it runs, as the running job's are (loop_running_drain)."""
     kafka = config.kafka
     raw_topic = f"{kafka.input_topic}-raw"
     ensure_topics(kafka.model_copy(update={"input_topic": raw_topic}))
@@ -271,17 +279,34 @@ def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarr
         loop = PlainLoop(config.source, raw_topic, result_topic, client, folder / f"plain-{client}-{model.name}.log")
         reader = ResultReader(kafka.bootstrap_servers, result_topic)
         try:
-            rates[client], _ = timed_drain(reader, loop, warmup, len(uris))
+            rates[client] = [timed_drain(reader, loop, warmup, len(uris))[0]]
+            for drain in range(1, PLAIN_LOOP_DRAINS if client == PLAIN_LOOP_CLIENTS[0] else 1):
+                backlog = [f"{client}-{drain}-{i}" for i in range(len(uris) - warmup)]
+                rates[client].append(loop_running_drain(kafka.bootstrap_servers, raw_topic, reader, loop, samples, backlog))
         finally:
             loop.stop()
             reader.close()
     return rates
 
 
-def enqueue_raw(bootstrap: str, topic: str, uris: list[str], samples: np.ndarray | list) -> None:
+def loop_running_drain(bootstrap: str, topic: str, reader: ResultReader, loop: PlainLoop,
+                       samples: np.ndarray | list, uris: list[str]) -> float:
+    """The running plain loop's drain rate over a backlog written as raw bytes in one transaction:
+    the loop, reading committed records only, meets all of it at once."""
+    progress("plain loop", f"a backlog of {len(uris)} raw requests, written in one transaction while it runs ...")
+    before = reader.written()
+    enqueue_raw(bootstrap, topic, uris, samples, transactional_id=f"cs-bench-{topic}")
+    end = before + len(uris)
+    if not reader.wait_for(end, lambda: loop.running, DRAIN_TIMEOUT_S):
+        raise no_results(loop, end)
+    return reader.drain_rate(before, end)
+
+
+def enqueue_raw(bootstrap: str, topic: str, uris: list[str], samples: np.ndarray | list,
+                transactional_id: str | None = None) -> None:
     """One record per uri, its value the raw bytes of a sample (a tensor's, or a JPEG's), as the
-    paced sender writes the plain loop's requests."""
-    send, flush = raw_requests(bootstrap, topic, DRAIN_TIMEOUT_S)
+    paced sender writes the plain loop's requests; with a `transactional_id`, in one transaction."""
+    send, flush = raw_requests(bootstrap, topic, DRAIN_TIMEOUT_S, transactional_id)
     for i, uri in enumerate(uris):
         send(uri, samples[i % len(samples)])
     flush()
@@ -491,7 +516,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
     samples = model.samples(SAMPLES)
     warmup, backlog = backlog_uris("", args.requests or model.requests, args)
     client_figures = fill_backlog(config, model, samples, warmup + backlog)
-    plain = plain_loop_rates(config, model, samples, warmup + backlog, len(warmup), folder)
+    plain_drains = plain_loop_rates(config, model, samples, warmup + backlog, len(warmup), folder)
 
     session = open_session(model_path, args.device, args.threads)  # the job's provider choice and threads
     runs_of = min(run_size or args.batch_size, args.batch_size)  # what a run of the job holds at most
@@ -551,7 +576,8 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "warmup": len(warmup),
         **client_figures,
         "dequeue": dequeued,
-        "plain_loop": plain,
+        "plain_loop": {client: statistics.median(rates) for client, rates in plain_drains.items()},
+        "plain_loop_drains": plain_drains,
         "capacity": capacity,
         "capacity_bound_by_writer": writer_bound,
         "running_drains": [{"capacity": rate, "bound_by_writer": bound, "job_cpu_us_per_request": cpu}

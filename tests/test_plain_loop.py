@@ -13,7 +13,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from bench.baseline import CLIENTS
 from bench.models import bench_models
-from bench.run import DEFAULT_HIDDEN, PlainLoop, enqueue_raw, plain_loop_paced
+from bench.kafka_load import ResultReader
+from bench.run import DEFAULT_HIDDEN, PLAIN_LOOP_DRAINS, PlainLoop, enqueue_raw, plain_loop_paced, plain_loop_rates
 from cluster_serving.kafka.admin import ensure_topics
 from cluster_serving.ops.sample_model import FEATURES
 from tests.conftest import WriteConfig
@@ -61,6 +62,24 @@ def test_the_plain_loop_paced_from_its_start_and_warm_answers_every_request(
         assert 0 <= phase["job_share"]["p50_ms"] <= phase["p50_ms"]
         assert 450 < phase["sent_rate"] < 550
         assert phase["sender_cpu_us_per_request"] > 0
+
+
+def test_the_librdkafka_loop_also_drains_backlogs_written_in_a_transaction_while_it_runs(
+    write_config: WriteConfig, tmp_path: Path,
+) -> None:
+    _, config = write_config()
+    model = bench_models(DEFAULT_HIDDEN)["mlp"]
+    warmup, backlog = 2000, 20_000  # results in many produce batches: a drain spans several append stamps
+    uris = [f"first-{i}" for i in range(warmup + backlog)]
+    rates = plain_loop_rates(config, model, model.samples(8), uris, warmup, tmp_path)
+    assert [len(rates[client]) for client in CLIENTS] == [PLAIN_LOOP_DRAINS, 1]
+    assert all(rate > 0 for drains in rates.values() for rate in drains)
+    # The loop answered the first backlog and each one written (and committed) while it ran.
+    reader = ResultReader(config.kafka.bootstrap_servers, f"{config.kafka.result_topic}-plain-{CLIENTS[0]}")
+    try:
+        assert reader.written() == warmup + backlog * PLAIN_LOOP_DRAINS
+    finally:
+        reader.close()
 
 
 def read_results(bootstrap: str, topic: str, count: int, timeout_s: float = 60.0) -> dict[str, bytes]:
