@@ -234,6 +234,13 @@ def no_results(server: ChildProcess, end: int) -> RuntimeError:
     return RuntimeError(f"{server.module} did not write {end} results:\n{server.log_tail()}")
 
 
+def wait_for_results(reader: ResultReader, server: ChildProcess, end: int) -> None:
+    """Returns once the reader's topic holds `end` results; raises, with the server's log, should
+    the server stop first or DRAIN_TIMEOUT_S pass."""
+    if not reader.wait_for(end, lambda: server.running, DRAIN_TIMEOUT_S):
+        raise no_results(server, end)
+
+
 def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob, model: BenchModel,
                   samples: np.ndarray, uris: list[str], protocol: str = "native") -> tuple[float, bool, float]:
     """(capacity, a lower bound only, microseconds of the job's CPU per request): the running
@@ -249,8 +256,7 @@ def running_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     before, started, cpu = reader.written(), time.perf_counter(), group_cpu_seconds(job.process.pid)
     enqueue_batch_all(config, uris, model.input_name, samples, protocol, transactional_id=f"cs-bench-{model.name}")
     end = before + len(uris)
-    if not reader.wait_for(end, lambda: job.running, DRAIN_TIMEOUT_S):
-        raise no_results(job, end)
+    wait_for_results(reader, job, end)
     whole = len(uris) / (time.perf_counter() - started)
     cpu_us = (group_cpu_seconds(job.process.pid) - cpu) / len(uris) * 1e6
     rate = reader.drain_rate(before, end)
@@ -297,8 +303,7 @@ def loop_running_drain(bootstrap: str, topic: str, reader: ResultReader, loop: P
     before = reader.written()
     enqueue_raw(bootstrap, topic, uris, samples, transactional_id=f"cs-bench-{topic}")
     end = before + len(uris)
-    if not reader.wait_for(end, lambda: loop.running, DRAIN_TIMEOUT_S):
-        raise no_results(loop, end)
+    wait_for_results(reader, loop, end)
     return reader.drain_rate(before, end)
 
 
@@ -420,8 +425,7 @@ def restart_drain(config: ServingConfig, reader: ResultReader, job: EmbeddedJob,
     enqueue_batch_all(config, uris, model.input_name, samples, transactional_id=f"cs-bench-restart-{model.name}",
                       before_commit=job.restart)
     end = before + len(uris)
-    if not reader.wait_for(end, lambda: job.running, DRAIN_TIMEOUT_S):
-        raise no_results(job, end)
+    wait_for_results(reader, job, end)
     reader.read_until(uris, timeout=300)
     return reader.drain_rate(before + len(uris) // 10, end)
 
