@@ -40,6 +40,7 @@ from bench.run import (
     LATENCY_MAX_RATE,
     enqueue_batch_all,
     paced_latency,
+    plain_loop_capacities,
     plain_loop_rates,
     progress,
 )
@@ -101,8 +102,7 @@ def measure(job: ClusterJob, reader: ResultReader, model: BenchModel, folder: Pa
     warmup = args.requests // 10
     first = [f"first-{i}" for i in range(warmup + args.requests)]
     enqueue_batch_all(job.config, first, model.input_name, samples)
-    drains = plain_loop_rates(job.config, model, samples, first, warmup, folder)
-    loops = {client: statistics.median(rates) for client, rates in drains.items()}
+    loops = plain_loop_capacities(plain_loop_rates(job.config, model, samples, first, warmup, folder))
     progress(MODEL, "the job's first start, on that backlog ...")
     before = reader.written()
     job.submit()

@@ -295,6 +295,11 @@ def plain_loop_rates(config: ServingConfig, model: BenchModel, samples: np.ndarr
     return rates
 
 
+def plain_loop_capacities(drains: dict[str, list[float]]) -> dict[str, float]:
+    """Each plain loop's capacity: the median of its drains (plain_loop_rates)."""
+    return {client: statistics.median(rates) for client, rates in drains.items()}
+
+
 def loop_running_drain(bootstrap: str, topic: str, reader: ResultReader, loop: PlainLoop,
                        samples: np.ndarray | list, uris: list[str]) -> float:
     """The running plain loop's drain rate over a backlog written as raw bytes in one transaction:
@@ -580,7 +585,7 @@ def measure_serving(model: BenchModel, model_path: Path, bootstrap: str, folder:
         "warmup": len(warmup),
         **client_figures,
         "dequeue": dequeued,
-        "plain_loop": {client: statistics.median(rates) for client, rates in plain_drains.items()},
+        "plain_loop": plain_loop_capacities(plain_drains),
         "plain_loop_drains": plain_drains,
         "capacity": capacity,
         "capacity_bound_by_writer": writer_bound,
