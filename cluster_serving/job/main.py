@@ -34,6 +34,7 @@ from cluster_serving.config import JOB_NAME, RESTART_SIGNAL, ConfigError, Servin
 from cluster_serving.config.command_line import config_parser  # noqa: E402
 from cluster_serving.job.batch import FRAME, REQUEST_ROW, micro_batches, name_python_stages, split_results  # noqa: E402
 from cluster_serving.job.control_key import control_key  # noqa: E402
+from cluster_serving.job.embedded_cluster import EmbeddedCluster, embedded_cluster  # noqa: E402
 from cluster_serving.job.kafka_io import RESULT_RECORD, drop_committer_gauge_warning, request_source, result_sink  # noqa: E402
 from cluster_serving.job.operators import DecodeBatch, EncodeResults, ServeBatch  # noqa: E402
 from cluster_serving.job.recovery import latest_checkpoint, prune_other_runs  # noqa: E402
@@ -69,8 +70,21 @@ def submitted_by_flink_cli() -> bool:
     return "PYFLINK_GATEWAY_PORT" in os.environ
 
 
-def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Configuration:
-    """Job settings, plus the embedded MiniCluster's addresses when there is no cluster. Under
+def cluster_settings(config: ServingConfig) -> dict[str, str]:
+    """The embedded cluster's addresses: REST on flink.rest_port, everything on 127.0.0.1."""
+    return {
+        "rest.port": str(config.flink.rest_port),
+        "rest.address": "127.0.0.1",
+        "rest.bind-address": "127.0.0.1",
+        "jobmanager.bind-host": "127.0.0.1",
+        "taskmanager.bind-host": "127.0.0.1",
+        "taskmanager.host": "127.0.0.1",
+    }
+
+
+def flink_configuration(config: ServingConfig, resume_from: Path | None, cluster_port: int = 0) -> Configuration:
+    """Job settings, plus where the job goes: to the embedded cluster's REST port `cluster_port`,
+    else (a replay) to a MiniCluster of its own with the embedded cluster's addresses. Under
     `flink run` these are stacked over the cluster's config: rest.* would redirect the CLI's
     submission to flink.rest_port, so they are left to the cluster."""
     flink = config.flink
@@ -96,15 +110,11 @@ def flink_configuration(config: ServingConfig, resume_from: Path | None) -> Conf
         # record it was given, and the source makes a new Row per Kafka record.
         "pipeline.object-reuse": "true",
     }
-    if not submitted_by_flink_cli():
-        settings.update({
-            "rest.port": str(config.flink.rest_port),
-            "rest.address": "127.0.0.1",
-            "rest.bind-address": "127.0.0.1",
-            "jobmanager.bind-host": "127.0.0.1",
-            "taskmanager.bind-host": "127.0.0.1",
-            "taskmanager.host": "127.0.0.1",
-        })
+    if cluster_port:
+        settings.update({"execution.target": "remote", "execution.attached": "true", "rest.address": "127.0.0.1",
+                         "rest.port": str(cluster_port)})
+    elif not submitted_by_flink_cli():
+        settings.update(cluster_settings(config))
     if resume_from is not None:
         settings["execution.state-recovery.path"] = resume_from.as_uri()
     conf = Configuration()
@@ -152,18 +162,19 @@ def build_pipeline(
     drop_committer_gauge_warning()
 
 
-def preflight(config: ServingConfig) -> Repository:
+def preflight(config: ServingConfig, own_rest_port: int = 0) -> Repository:
     """Fails fast, with one line, on what would otherwise surface as a Java stack trace later: the
     embedded cluster's Java and REST port (a taken port was a 50-line BindException after the
     MiniCluster had started), the models (each version opened once), then the broker (a short TCP
-    probe first, see ensure_topics). Returns the repository to serve."""
+    probe first, see ensure_topics). Returns the repository to serve. `own_rest_port`: the port
+    this process's embedded cluster holds already (a restart's)."""
     config.check_files()
     pipeline_jars(config.flink)
     repository = checked_scan(config)
     if not submitted_by_flink_cli():
         find_java()
         port = config.flink.rest_port
-        if port and port_taken("127.0.0.1", port):
+        if port and port != own_rest_port and port_taken("127.0.0.1", port):
             raise ConfigError(
                 f"flink.rest_port: 127.0.0.1:{port} is in use; stop what listens there "
                 "(`cluster-serving status` shows a running instance) or set another flink.rest_port"
@@ -217,9 +228,17 @@ def resume_point(config: ServingConfig, fresh: bool) -> Path | None:
     return checkpoint
 
 
-def create_environment(config: ServingConfig, resume_from: Path | None, checkpoints: bool = True) -> StreamExecutionEnvironment:
+def create_environment(config: ServingConfig, resume_from: Path | None, checkpoints: bool = True,
+                       cluster: EmbeddedCluster | None = None) -> StreamExecutionEnvironment:
+    """The environment of a job on `cluster` (started with this config's settings if it runs with
+    others), else on `flink run`'s cluster or a MiniCluster of its own."""
     log_dir = prepare_process_environment(config)
-    env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, resume_from))
+    if cluster is not None:
+        port = cluster.serve(cluster_settings(config), config.flink.parallelism)
+        java_environment = get_gateway().jvm.org.apache.flink.streaming.api.environment.StreamExecutionEnvironment
+        env = StreamExecutionEnvironment(java_environment(flink_configuration(config, resume_from, port)._j_configuration))
+    else:
+        env = StreamExecutionEnvironment.get_execution_environment(flink_configuration(config, resume_from))
     configure_logging()
     log.info("Flink log folder: %s", log_dir)
     if submitted_by_flink_cli():  # embedded, they are on the JVM's class path (prepare_process_environment)
@@ -250,12 +269,13 @@ def web_ui(env: StreamExecutionEnvironment) -> str:
     return f"http://{settings.get(rest.ADDRESS) or 'localhost'}:{settings.get(rest.PORT)}"
 
 
-def submit(config: ServingConfig, repository: Repository, fresh: bool, infer: InferStage) -> tuple[JobClient, RepositoryWatch, bool]:
+def submit(config: ServingConfig, repository: Repository, fresh: bool, infer: InferStage,
+           cluster: EmbeddedCluster | None) -> tuple[JobClient, RepositoryWatch, bool]:
     """Builds and submits the job; returns its client, the watch of what it was told to serve, and
     whether this process stays attached to it (under `flink run --detached` it does not)."""
     table = RoutingTable.of(repository)
     key = control_key(config.flink.checkpoint_dir)
-    env = create_environment(config, resume_point(config, fresh))
+    env = create_environment(config, resume_point(config, fresh), cluster=cluster)
     build_pipeline(env, config, table, request_source(config.kafka, key), infer)
     client = env.execute_async(JOB_NAME)
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
@@ -309,13 +329,23 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
     final savepoint) or until the job ends by itself, polling the model repository meanwhile;
     returns the exit code. RESTART_SIGNAL stops the job with a final savepoint and submits it
     again from there, as the config file reads now, in this process: the new job runs in the
-    same JVM, on the code its JIT compiled for the last (docs/operations.md)."""
+    same JVM, on the code its JIT compiled for the last (docs/operations.md). Embedded, every job
+    runs on one EmbeddedCluster, shut down as this returns."""
+    if submitted_by_flink_cli():
+        return serve_jobs(config, repository, fresh, infer, None)
+    with embedded_cluster() as cluster:
+        return serve_jobs(config, repository, fresh, infer, cluster)
+
+
+def serve_jobs(config: ServingConfig, repository: Repository, fresh: bool, infer: InferStage,
+               cluster: EmbeddedCluster | None) -> int:
+    """run() on `cluster` (None: on `flink run`'s), after a warm-up there if the config asks for one."""
     signals = Signals()  # from here on, a stop asked while the job starts is a clean stop once it runs
-    if config.flink.warm_up_requests and not submitted_by_flink_cli():
-        warm_up(config, repository, infer, signals)
+    if config.flink.warm_up_requests and cluster is not None:
+        warm_up(config, repository, infer, signals, cluster)
         if signals.stop:
             return 0
-    client, watch, stays = submit(config, repository, fresh, infer)
+    client, watch, stays = submit(config, repository, fresh, infer, cluster)
     if not stays:
         return 0
     while True:
@@ -327,13 +357,11 @@ def run(config: ServingConfig, repository: Repository, fresh: bool = False, infe
         signals.clear()
         log.info("restarting the job in this JVM with %s", config.source or "the default config")
         config = load_config(config.source)
-        if not submitted_by_flink_cli():
-            await_closed_cluster(config.flink.rest_port)
-        repository = preflight(config)
-        client, watch, _ = submit(config, repository, False, infer)
+        repository = preflight(config, own_rest_port=cluster.rest_port if cluster else 0)
+        client, watch, _ = submit(config, repository, False, infer, cluster)
 
 
-def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals) -> None:
+def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, signals: Signals, cluster: EmbeddedCluster) -> None:
     """Serves flink.warm_up_requests requests of zeros through the same pipeline on topics of their
     own (job/warm_up.py) in two jobs, one after the other: the first in bursts, the second a short
     backlog as it starts, then paced. The serving job then starts in a JVM whose JIT has compiled
@@ -353,7 +381,7 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
             log.info("warming up: %d requests of zeros through the job on %s, then more in a second job", bursts[-1].stop,
                      warm.kafka.input_topic)
             with results_awaited(warm) as awaited:
-                with warm_up_job(warm, table, key, infer) as submit:
+                with warm_up_job(warm, table, key, infer, cluster) as submit:
                     for number, burst in enumerate(bursts):
                         written = time.monotonic()
                         send_table(warm, table, key)
@@ -366,7 +394,7 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
                         capacity = len(bursts[-1]) / (time.monotonic() - written)
                 if capacity:
                     backlog, tail = second_job_requests(bursts[-1].stop, capacity)
-                    with warm_up_job(warm, table, key, infer) as submit:
+                    with warm_up_job(warm, table, key, infer, cluster) as submit:
                         send_table(warm, table, key)
                         write_requests(warm, request, backlog)
                         submit()
@@ -383,12 +411,13 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
 
 
 @contextlib.contextmanager
-def warm_up_job(warm: ServingConfig, table: RoutingTable, key: bytes, infer: InferStage) -> Iterator[Callable[[], None]]:
+def warm_up_job(warm: ServingConfig, table: RoutingTable, key: bytes, infer: InferStage,
+                cluster: EmbeddedCluster) -> Iterator[Callable[[], None]]:
     """A warm-up job on the warm-up topics, past the requests on them by now; what it yields submits
     the job (once the requests it should meet as a backlog are written). At the exit the job stops
     with a savepoint once the JIT's compilers are quiet; on an error it is cancelled."""
     skip_earlier_requests(warm)
-    env = create_environment(warm, None)
+    env = create_environment(warm, None, cluster=cluster)
     build_pipeline(env, warm, table, request_source(warm.kafka, key), infer)
     clients: list[JobClient] = []
 
@@ -403,8 +432,6 @@ def warm_up_job(warm: ServingConfig, table: RoutingTable, key: bytes, infer: Inf
         if clients and not clients[0].get_job_status().result().is_globally_terminal_state():
             clients[0].cancel().result()
         raise
-    finally:
-        await_closed_cluster(warm.flink.rest_port)
 
 
 def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: float = 0.5) -> None:
@@ -417,15 +444,6 @@ def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: f
         spent, before = compilation.getTotalCompilationTime(), spent
         if spent - before < busy_ms:
             return
-
-
-def await_closed_cluster(rest_port: int, timeout_s: float = 30.0) -> None:
-    """The embedded MiniCluster of a stopped job closes after the job has ended, its REST port
-    last: the next job's cluster binds the same port, so a restart waits for it (preflight then
-    says if something else holds it)."""
-    deadline = time.monotonic() + timeout_s
-    while rest_port and port_taken("127.0.0.1", rest_port) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def serve_until_asked(client: JobClient, config: ServingConfig, watch: RepositoryWatch, signals: Signals) -> bool:
