@@ -92,14 +92,15 @@ def with_ratios(figures: dict[str, Any], args: argparse.Namespace) -> dict[str, 
 
 def first_minute_rows(title: str, key: str, started: str = "until every task ran",
                       share: str = "the job's share") -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
-    """How long a start took, and the p99 of each 10 s of the paced phase after it: as read, and
-    the server's share (`key` is a path of keys, dot-separated)."""
+    """How long a start took, the p99 of the paced phase after it as a whole and of each of its 10 s:
+    as read, and the server's share (`key` is a path of keys, dot-separated)."""
     def figures(m: dict[str, Any]) -> dict[str, Any] | None:
         for part in key.split("."):
             m = m[part] if m else None
         return m
 
     return [(f"{title}: {started} (s)", lambda m: f"{figures(m)['start_seconds']:.1f}" if figures(m) else "-"),
+            ("  then paced: p99 of the whole phase (ms)", lambda m: f"{figures(m)['p99_ms']:.0f}" if figures(m) else "-"),
             ("  then paced: p99 per 10 s (ms)", lambda m: window_p99s(figures(m), False)),
             (f"  {share}", lambda m: window_p99s(figures(m), True))]
 

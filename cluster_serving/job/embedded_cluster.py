@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pyflink.common.job_client import JobClient
 from pyflink.java_gateway import get_gateway
 
 log = logging.getLogger("cluster_serving.job")
@@ -46,6 +47,15 @@ class EmbeddedCluster:
         self.rest_port = cluster.getRestAddress().get().getPort()
         log.info("embedded Flink cluster up: %d task slot%s, REST on 127.0.0.1:%d", slots, "" if slots == 1 else "s", self.rest_port)
         return self.rest_port
+
+    def job_client(self, submitted: JobClient) -> JobClient:
+        """A client of a job submitted to this cluster that asks the cluster in this JVM, not its REST
+        port: the client execute_async returns opens a REST client, five threads, for every call,
+        and the job's status is asked every second while it serves."""
+        minicluster = get_gateway().jvm.org.apache.flink.runtime.minicluster
+        keep_running = getattr(minicluster, "MiniClusterJobClient$JobFinalizationBehavior").NOTHING
+        loader = self._cluster.getClass().getClassLoader()
+        return JobClient(minicluster.MiniClusterJobClient(submitted._j_job_client.getJobID(), self._cluster, loader, keep_running))
 
     def close(self) -> None:
         """Shuts the cluster down (its jobs have ended: a stop ends them first); its port is then free."""

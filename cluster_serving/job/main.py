@@ -278,6 +278,7 @@ def submit(config: ServingConfig, repository: Repository, fresh: bool, infer: In
     env = create_environment(config, resume_point(config, fresh), cluster=cluster)
     build_pipeline(env, config, table, request_source(config.kafka, key), infer)
     client = env.execute_async(JOB_NAME)
+    client = cluster.job_client(client) if cluster else client
     log.info("job %s submitted; Flink web UI: %s", client.get_job_id(), web_ui(env))
     log.info(
         "reading %s, writing %s on %s",
@@ -422,7 +423,7 @@ def warm_up_job(warm: ServingConfig, table: RoutingTable, key: bytes, infer: Inf
     clients: list[JobClient] = []
 
     def submit() -> None:
-        clients[:] = clients or [env.execute_async(f"{JOB_NAME} warm-up")]
+        clients[:] = clients or [cluster.job_client(env.execute_async(f"{JOB_NAME} warm-up"))]
 
     try:
         yield submit
