@@ -99,8 +99,11 @@ def first_minute_rows(title: str, key: str, started: str = "until every task ran
             m = m[part] if m else None
         return m
 
-    return [(f"{title}: {started} (s)", lambda m: f"{figures(m)['start_seconds']:.1f}" if figures(m) else "-"),
-            ("  then paced: p99 of the whole phase (ms)", lambda m: f"{figures(m)['p99_ms']:.0f}" if figures(m) else "-"),
+    def shown(field: str, spec: str) -> Callable[[dict[str, Any]], str]:
+        return lambda m: format(figures(m)[field], spec) if figures(m) else "-"
+
+    return [(f"{title}: {started} (s)", shown("start_seconds", ".1f")),
+            ("  then paced: p99 of the whole phase (ms)", shown("p99_ms", ".0f")),
             ("  then paced: p99 per 10 s (ms)", lambda m: window_p99s(figures(m), False)),
             (f"  {share}", lambda m: window_p99s(figures(m), True))]
 
