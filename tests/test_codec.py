@@ -246,6 +246,8 @@ def _v2(layout: object, values: bytes = b"\x00" * 8, uri: bytes = b"u") -> bytes
         (_v2({"tensors": [["t", "object", [2]]]}), "number dtype"),
         (_v2({"tensors": [["t", "str", [2]]]}), "number dtype"),
         (_v2({"tensors": [[1, "float32", [2]]]}), "name, number dtype"),
+        (_v2({"tensors": [["t", ["float32"], [2]]]}), "name, number dtype"),
+        (_v2({"tensors": [["t", {"d": 1}, [2]]]}), "name, number dtype"),
         (_v2({"tensors": [["t", "float32", [-2]]]}), "invalid shape"),
         (_v2({"tensors": [["t", "float32", [True, 2]]]}), "invalid shape"),
         (_v2({"tensors": [["t", "float32", [1] * 17]]}), "invalid shape"),

@@ -286,7 +286,7 @@ def _parse_layout(text: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...
         raise DecodeError(f"version 2 layout must list at most {MAX_TENSORS} tensors")
     tensors = []
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[1], str)
                 and (entry[1] in NUMERIC_DTYPES or entry[1] == IMAGE_DTYPE and entry[2] == [])):
             raise DecodeError(f"version 2 tensor entry {str(entry)[:100]} is not [name, number dtype, shape] or [name, 'image', []]")
         if entry[1] == IMAGE_DTYPE:
