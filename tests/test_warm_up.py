@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from confluent_kafka import Consumer
 from cluster_serving.client import InputQueue, OutputQueue
 from cluster_serving.job.warm_up import (
     BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, skip_earlier_requests, warm_up_bursts, warm_up_config,
-    SECOND_JOB_BACKLOG_S, second_job_requests, warm_up_topic_settings, write_requests,
+    SECOND_JOB_BACKLOG_S, TIMESTAMP_OFFSETS_MS, second_job_requests, warm_up_topic_settings, write_requests,
 )
 from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
 from cluster_serving.kafka.librdkafka import committed_offsets, topic_partitions
@@ -133,6 +134,31 @@ def test_every_other_burst_of_a_warm_up_is_written_in_a_transaction(write_config
     records = topic_records(warm.kafka.bootstrap_servers, warm.kafka.input_topic, "read_committed")
     assert [record.key for record in records] == [f"warm-up-{i}".encode() for i in range(20)]
     assert list(ends.values()) == [21]  # the transaction's commit marker takes an offset of its own
+
+
+def test_warm_up_requests_are_timestamped_before_their_write_by_each_offset_in_turn(write_config, tmp_path: Path) -> None:
+    """Their timestamp deltas within a Kafka batch take one, two and three bytes, as a slowly written
+    backlog's do."""
+    _, config = write_config(kafka={"partitions": 1})
+    warm = warm_up_config(config, tmp_path)
+    ensure_topics(warm.kafka)
+    before_ms = time.time() * 1000
+    write_requests(warm, {"features": np.zeros(FEATURES, np.float32)}, range(7))
+    after_ms = time.time() * 1000
+    records = topic_records(warm.kafka.bootstrap_servers, warm.kafka.input_topic)
+    offsets = [TIMESTAMP_OFFSETS_MS[number % len(TIMESTAMP_OFFSETS_MS)] for number in range(7)]
+    assert {_varlong_bytes(-offset) for offset in offsets} == {1, 2, 3}
+    assert [record.key for record in records] == [f"warm-up-{i}".encode() for i in range(7)]
+    for record, offset in zip(records, offsets, strict=True):
+        assert before_ms - offset - 1 <= record.timestamp <= after_ms - offset + 1
+
+
+def _varlong_bytes(value: int) -> int:
+    """The bytes of Kafka's zig-zag varlong of `value`, as a record's timestamp delta is written."""
+    zigzag, count = (value << 1) ^ (value >> 63), 1
+    while zigzag >= 0x80:
+        zigzag, count = zigzag >> 7, count + 1
+    return count
 
 
 def test_warm_up_topics_copy_the_serving_topics_timestamp_type(write_config, tmp_path: Path) -> None:

@@ -52,6 +52,11 @@ MAX_BYTES = 256 << 20
 # frames under its first minute of one (docs/benchmarks.md, "A warm-up paced as well").
 TAIL_FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
 TAIL_SECONDS = 2.0
+# Each request's timestamp is this far before its write, in turn: within one Kafka batch their
+# timestamp deltas then take one, two and three bytes. The consumer decodes a delta a byte at a time
+# and compiled code traps on a longer delta it never met: a real backlog, written more slowly than
+# the warm-up's, has them (docs/benchmarks.md, "The first second of a serving job").
+TIMESTAMP_OFFSETS_MS = (0, 100, 20_000)
 # The second warm-up job starts on a backlog of this many seconds of the last burst's rate.
 SECOND_JOB_BACKLOG_S = 0.5
 # The warm-up ends after this long, or when its results stop coming for STALLED_S; the job then
@@ -156,7 +161,8 @@ def skip_earlier_requests(config: ServingConfig) -> None:
 def write_requests(config: ServingConfig, request: dict[str, np.ndarray], numbers: range, rate: float = 0.0,
                    transaction: bool = False) -> None:
     """Copies of `request` on the warm-up input topic, their uris warm-up-<number>, at `rate` per
-    second (0: as fast as they go), in one Kafka transaction if asked. The first burst is written
+    second (0: as fast as they go), in one Kafka transaction if asked, timestamped TIMESTAMP_OFFSETS_MS
+    before their write in turn. The first burst is written
     before the warm-up job starts: it meets them as a backlog and drains them in full fetches, as
     it will a real one."""
     transactional = {"transactional.id": f"{config.kafka.group_id}.writer"} if transaction else {}
@@ -165,8 +171,9 @@ def write_requests(config: ServingConfig, request: dict[str, np.ndarray], number
         producer.init_transactions(TIMEOUT_S)
         producer.begin_transaction()
     payloads = _payloads([f"warm-up-{i}" for i in numbers], request)
-    for _, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
-        produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S)
+    for number, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
+        timestamp = round(time.time() * 1000) - TIMESTAMP_OFFSETS_MS[number % len(TIMESTAMP_OFFSETS_MS)]
+        produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S, timestamp=timestamp)
         producer.poll(0)
     if transaction:
         producer.commit_transaction(TIMEOUT_S)
