@@ -146,7 +146,7 @@ def test_warm_up_requests_are_timestamped_before_their_write_by_each_offset_in_t
     write_requests(warm, {"features": np.zeros(FEATURES, np.float32)}, range(7))
     after_ms = time.time() * 1000
     records = topic_records(warm.kafka.bootstrap_servers, warm.kafka.input_topic)
-    offsets = [TIMESTAMP_OFFSETS_MS[number % len(TIMESTAMP_OFFSETS_MS)] for number in range(7)]
+    offsets = [TIMESTAMP_OFFSETS_MS[index % len(TIMESTAMP_OFFSETS_MS)] for index in range(7)]
     assert {_varlong_bytes(-offset) for offset in offsets} == {1, 2, 3}
     assert [record.key for record in records] == [f"warm-up-{i}".encode() for i in range(7)]
     for record, offset in zip(records, offsets, strict=True):

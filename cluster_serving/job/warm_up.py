@@ -162,17 +162,16 @@ def write_requests(config: ServingConfig, request: dict[str, np.ndarray], number
                    transaction: bool = False) -> None:
     """Copies of `request` on the warm-up input topic, their uris warm-up-<number>, at `rate` per
     second (0: as fast as they go), in one Kafka transaction if asked, timestamped TIMESTAMP_OFFSETS_MS
-    before their write in turn. The first burst is written
-    before the warm-up job starts: it meets them as a backlog and drains them in full fetches, as
-    it will a real one."""
+    before their write in turn. The first burst is written before the warm-up job starts: it meets
+    them as a backlog and drains them in full fetches, as it will a real one."""
     transactional = {"transactional.id": f"{config.kafka.group_id}.writer"} if transaction else {}
     producer = Producer({**_settings(config), "linger.ms": 5, **transactional})
     if transaction:
         producer.init_transactions(TIMEOUT_S)
         producer.begin_transaction()
     payloads = _payloads([f"warm-up-{i}" for i in numbers], request)
-    for number, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
-        timestamp = round(time.time() * 1000) - TIMESTAMP_OFFSETS_MS[number % len(TIMESTAMP_OFFSETS_MS)]
+    for index, (uri, payload) in zip(paced(len(numbers), rate), payloads, strict=True):
+        timestamp = round(time.time() * 1000) - TIMESTAMP_OFFSETS_MS[index % len(TIMESTAMP_OFFSETS_MS)]
         produce_waiting(producer, config.kafka.input_topic, payload, uri.encode(), QUEUE_FULL_WAIT_S, timestamp=timestamp)
         producer.poll(0)
     if transaction:
