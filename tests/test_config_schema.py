@@ -20,6 +20,7 @@ IMAGES = "preprocess.images"
     [
         ({"flink.rest_port": 70000}, "flink.rest_port: must be between 0 and 65535, got 70000"),
         ({"flink.warm_up_requests": -1}, "flink.warm_up_requests: must be between 0 and 10000000, got -1"),
+        ({"flink.jit_after_warm_up": "c3"}, "flink.jit_after_warm_up: must be one of c1, c2, got 'c3'"),
         ({"kafka.partitions": 0}, "kafka.partitions: must be >= 1, got 0"),
         ({"http.request_timeout_s": 0}, "http.request_timeout_s: must be >= 0.001, got 0"),
         ({"http.rate_limit_per_s": True}, "http.rate_limit_per_s: must be a number, got True"),

@@ -7,12 +7,14 @@ are each answered once after it."""
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 from confluent_kafka import Consumer
 
 from cluster_serving.client import InputQueue, OutputQueue
@@ -20,6 +22,7 @@ from cluster_serving.job.warm_up import (
     BURST, MAX_BYTES, SUFFIX, TAIL_FRACTIONS, TAIL_SECONDS, paced_tail, skip_earlier_requests, warm_up_bursts, warm_up_config,
     SECOND_JOB_BACKLOG_S, TIMESTAMP_OFFSETS_MS, second_job_requests, warm_up_topic_settings, write_requests,
 )
+from cluster_serving.jvm import find_java
 from cluster_serving.kafka.admin import end_offsets, ensure_topics, topic_records
 from cluster_serving.kafka.librdkafka import committed_offsets, topic_partitions
 from cluster_serving.ops.children import EmbeddedJob
@@ -46,7 +49,8 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
     assert warmed, job.log_tail()
     answered, total, *rates = (int(figure.replace(",", "")) for figure in warmed.groups())
     assert answered == total > WARM_UP and 0 < rates[0] < rates[1] < rates[2]
-    assert log.index("warmed up") < log.index(f"job {job.job_id} submitted")
+    assert log.index("warmed up") < log.index("the JIT compiles with C1 only") < log.index(f"job {job.job_id} submitted")
+    assert c2_excluded(job)
 
     session = ort.InferenceSession(str(config.model.path))
     with OutputQueue(kafka.bootstrap_servers, kafka.result_topic, group_id=f"{kafka.group_id}-client") as outputs:
@@ -69,6 +73,23 @@ def test_a_warm_up_serves_zeros_on_topics_of_its_own_before_the_job_serves(write
     assert len(tables) == 2 * kafka.partitions and all(record.key is None for record in tables)
     assert not [record for record in topic_records(kafka.bootstrap_servers, kafka.result_topic)
                 if record.key.startswith(b"warm-up-")]
+
+
+def test_with_jit_after_warm_up_c2_the_jvm_takes_no_compiler_directive(write_config, start_job) -> None:
+    path, config = write_config(flink={"warm_up_requests": WARM_UP, "jit_after_warm_up": "c2"})
+    job = start_job(path, config)
+    assert "warmed up" in job.log_text() and "the JIT compiles" not in job.log_text()
+    assert not c2_excluded(job)
+
+
+def c2_excluded(job: EmbeddedJob) -> bool:
+    """Whether a compiler directive of the job's JVM (its process's one child) other than the
+    default one keeps every method from C2, as `jcmd <pid> Compiler.directives_print` says."""
+    (jvm,) = psutil.Process(job.process.pid).children()
+    jcmd = Path(find_java()).resolve().with_name("jcmd")
+    printed = subprocess.run([str(jcmd), str(jvm.pid), "Compiler.directives_print"], capture_output=True, text=True, check=True).stdout
+    added = [directive for directive in printed.split("Directive:")[1:] if not directive.startswith(" (default)")]
+    return any("matching: *.*" in directive and "Exclude:true" in directive.split("c2 directives:")[1] for directive in added)
 
 
 def test_a_warm_up_comes_in_bursts_and_at_most_max_bytes_of_requests() -> None:

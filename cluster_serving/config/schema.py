@@ -167,6 +167,7 @@ class FlinkConfig(_Section):
     jars: Annotated[tuple[File, ...], _none_is(())] = ()
     jvm_options: Annotated[tuple[JvmOption, ...], _none_is(())] = ()
     warm_up_requests: StrictInt = Field(0, ge=0, le=10_000_000)
+    jit_after_warm_up: Literal["c1", "c2"] = "c1"
 
     @property
     def savepoint_dir(self) -> Path:

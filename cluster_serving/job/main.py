@@ -55,6 +55,9 @@ from cluster_serving.runtime.servables import repository_check  # noqa: E402
 
 log = logging.getLogger("cluster_serving.job")
 
+# A compiler directive that leaves every method C2 has not compiled by then to C1 (c2_done).
+C2_DONE = '[{match: "*.*", c2: {Exclude: true}}]'
+
 
 def configure_logging() -> None:
     """INFO for our lifecycle lines, WARNING for chatty libraries. Called again once the Flink
@@ -409,6 +412,8 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
     rates = ", ".join(f"{rate:,.0f}" for _, rate in tail)
     log.info("warmed up: %d of %d requests answered in %.1f s%s", answered, (tail[-1][0] if tail else bursts[-1]).stop,
              time.monotonic() - started, f" (the last paced at {rates} req/s)" if tail else "")
+    if config.flink.jit_after_warm_up == "c1":
+        c2_done()
 
 
 @contextlib.contextmanager
@@ -445,6 +450,23 @@ def await_quiet_compilers(timeout_s: float = 10.0, busy_ms: int = 50, every_s: f
         spent, before = compilation.getTotalCompilationTime(), spent
         if spent - before < busy_ms:
             return
+
+
+def c2_done() -> None:
+    """Adds a compiler directive to the JVM (as `jcmd <pid> Compiler.directives_add` would) that
+    leaves whatever runs hot from now on to C1 (flink.jit_after_warm_up: c1); a JVM that takes no
+    directives is a warning."""
+    with tempfile.TemporaryDirectory(prefix="cluster-serving-jit-") as folder:
+        path = Path(folder) / "c2-done.json"
+        path.write_text(C2_DONE)
+        try:
+            answer = get_gateway().jvm.clusterserving.flink.CompilerDirectives.add(str(path))
+        except Exception as exc:  # py4j's errors: another JVM, without HotSpot's diagnostic commands
+            answer = java_reason(exc)
+    if "1 compiler directives added" in str(answer):
+        log.info("the JIT compiles with C1 only from now on (flink.jit_after_warm_up: c1)")
+    else:
+        log.warning("the JIT took no directive (%s); C2 goes on compiling", str(answer).strip())
 
 
 def serve_until_asked(client: JobClient, config: ServingConfig, watch: RepositoryWatch, signals: Signals) -> bool:
