@@ -370,9 +370,10 @@ def warm_up(config: ServingConfig, repository: Repository, infer: InferStage, si
     own (job/warm_up.py) in two jobs, one after the other: the first in bursts, the second a short
     backlog as it starts, then paced. The serving job then starts in a JVM whose JIT has compiled
     its per-request path and has met a job's start twice: after a single warm-up job, it compiled
-    the path again under the serving job's first requests. A warm-up that fails is logged; serving
-    goes on. A stop asked during the bursts ends it once the burst in flight is answered, without
-    the second job."""
+    the path again under the serving job's first requests; with flink.jit_after_warm_up c1, C1
+    then compiles what C2 has not (c2_done). A warm-up that fails is logged; serving goes on. A
+    stop asked during the bursts ends it once the burst in flight is answered, without the second
+    job."""
     count = config.flink.warm_up_requests
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cluster-serving-warm-up-") as folder:
