@@ -499,7 +499,7 @@ def run_config(folder: Path, model_path: Path, bootstrap: str, args: argparse.Na
         folder, model_path, bootstrap,
         batching={"batch_size": args.batch_size, "max_delay_ms": args.max_delay_ms, "run_batch_size": run_batch_size},
         flink={"parallelism": args.parallelism, "jvm_options": args.jvm_options, "warm_up_requests": args.warm_up_requests,
-               "jit_after_warm_up": args.jit_after_warm_up},
+               "jit_after_warm_up": args.jit_after_warm_up, "checkpoint_interval_ms": args.checkpoint_interval_ms},
         device=args.device, model={"threads": args.threads},
         kafka={"partitions": args.partitions}, **sections,
     )
@@ -739,6 +739,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the job's flink.warm_up_requests: served before it serves, in each new JVM")
     parser.add_argument("--jit-after-warm-up", choices=["c1", "c2"], default=job.flink.jit_after_warm_up,
                         help="the job's flink.jit_after_warm_up: what the JIT compiles after the warm-up")
+    parser.add_argument("--checkpoint-interval-ms", type=int,
+                        help="the job's flink.checkpoint_interval_ms (default: the config's, by kafka.delivery)")
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden width of the mlp")
     parser.add_argument("--device", default=job.device, choices=["auto", "cpu", "cuda"])
     parser.add_argument("--run-batch-size", type=int,

@@ -19,6 +19,7 @@ IMAGES = "preprocess.images"
     ("overrides", "message"),
     [
         ({"flink.rest_port": 70000}, "flink.rest_port: must be between 0 and 65535, got 70000"),
+        ({"flink.checkpoint_interval_ms": 50}, "flink.checkpoint_interval_ms: must be between 100 and 3600000, got 50"),
         ({"flink.warm_up_requests": -1}, "flink.warm_up_requests: must be between 0 and 10000000, got -1"),
         ({"flink.jit_after_warm_up": "c3"}, "flink.jit_after_warm_up: must be one of c1, c2, got 'c3'"),
         ({"kafka.partitions": 0}, "kafka.partitions: must be >= 1, got 0"),
@@ -86,6 +87,14 @@ def test_values_derived_from_other_keys(tmp_path: Path) -> None:
     explicit = load_config(path, {"http.flink_rest_url": "http://flink:8081/", "flink.checkpoint_dir": "cp"})
     assert explicit.http.flink_rest_url == "http://flink:8081"
     assert explicit.flink.checkpoint_dir == tmp_path / "cp"
+
+
+def test_the_checkpoint_interval_follows_the_delivery_unless_given() -> None:
+    assert defaults().flink.checkpoint_interval_ms == 10_000
+    assert load_config(overrides={"kafka.delivery": "exactly_once"}).flink.checkpoint_interval_ms == 2_000
+    given = {"flink.checkpoint_interval_ms": 500}
+    assert load_config(overrides=given).flink.checkpoint_interval_ms == 500
+    assert load_config(overrides={**given, "kafka.delivery": "exactly_once"}).flink.checkpoint_interval_ms == 500
 
 
 def test_image_defaults_follow_the_dtype() -> None:

@@ -51,6 +51,11 @@ JOB_NAME = "cluster-serving"
 # What restarts the job from a final savepoint: `cluster-serving restart` sends it to a `start`
 # process, which passes it on to its job process, which runs the new job in the same JVM.
 RESTART_SIGNAL = signal.SIGUSR1
+# An empty flink.checkpoint_interval_ms by kafka.delivery, as Kafka Streams' commit.interval.ms
+# (30 s, 100 ms under exactly-once): under at-least-once a checkpoint only bounds what a crash
+# serves again, and the requests read while one runs wait longer (docs/benchmarks.md, "Fewer
+# checkpoints under at-least-once"); under exactly-once a result is seen one checkpoint later.
+CHECKPOINT_INTERVAL_MS = {"at_least_once": 10_000, "exactly_once": 2_000}
 # The folder of the job's final savepoints, inside flink.checkpoint_dir (cluster_serving/job/recovery.py).
 SAVEPOINTS = "savepoints"
 # Mappings whose keys are the user's (property names, input names): a file replaces them whole.
@@ -159,7 +164,7 @@ class BatchingConfig(_Section):
 class FlinkConfig(_Section):
     parallelism: StrictInt = Field(ge=1, le=1024)
     rest_port: StrictInt = Field(ge=0, le=65535)
-    checkpoint_interval_ms: StrictInt = Field(ge=100)
+    checkpoint_interval_ms: StrictInt = Field(ge=100, le=3_600_000)
     checkpoint_dir: File
     restart_attempts: StrictInt = Field(ge=0)
     restart_delay_ms: StrictInt = Field(ge=0)
@@ -294,6 +299,15 @@ class ServingConfig(_Section):
         kafka = info.data.get("kafka")
         if isinstance(flink, dict) and not flink.get("checkpoint_dir") and kafka:
             return {**flink, "checkpoint_dir": str(_config_folder(info) / "checkpoints" / kafka.group_id)}
+        return flink
+
+    @field_validator("flink", mode="before")
+    @classmethod
+    def _checkpoint_interval_by_delivery(cls, flink: Any, info: ValidationInfo) -> Any:
+        """Empty checkpoint_interval_ms: the delivery's (CHECKPOINT_INTERVAL_MS)."""
+        kafka = info.data.get("kafka")
+        if isinstance(flink, dict) and flink.get("checkpoint_interval_ms") is None and kafka:
+            return {**flink, "checkpoint_interval_ms": CHECKPOINT_INTERVAL_MS[kafka.delivery]}
         return flink
 
     @field_validator("http", mode="before")
