@@ -294,21 +294,15 @@ class ServingConfig(_Section):
 
     @field_validator("flink", mode="before")
     @classmethod
-    def _checkpoints_per_group(cls, flink: Any, info: ValidationInfo) -> Any:
-        """Empty checkpoint_dir: checkpoints/<kafka.group_id> next to the config, one per deployment."""
+    def _checkpoints_by_kafka(cls, flink: Any, info: ValidationInfo) -> Any:
+        """Empty checkpoint_dir: checkpoints/<kafka.group_id> next to the config, one per deployment;
+        empty checkpoint_interval_ms: the delivery's (CHECKPOINT_INTERVAL_MS)."""
         kafka = info.data.get("kafka")
-        if isinstance(flink, dict) and not flink.get("checkpoint_dir") and kafka:
-            return {**flink, "checkpoint_dir": str(_config_folder(info) / "checkpoints" / kafka.group_id)}
-        return flink
-
-    @field_validator("flink", mode="before")
-    @classmethod
-    def _checkpoint_interval_by_delivery(cls, flink: Any, info: ValidationInfo) -> Any:
-        """Empty checkpoint_interval_ms: the delivery's (CHECKPOINT_INTERVAL_MS)."""
-        kafka = info.data.get("kafka")
-        if isinstance(flink, dict) and flink.get("checkpoint_interval_ms") is None and kafka:
-            return {**flink, "checkpoint_interval_ms": CHECKPOINT_INTERVAL_MS[kafka.delivery]}
-        return flink
+        if not isinstance(flink, dict) or not kafka:
+            return flink
+        derived = {"checkpoint_dir": str(_config_folder(info) / "checkpoints" / kafka.group_id),
+                   "checkpoint_interval_ms": CHECKPOINT_INTERVAL_MS[kafka.delivery]}
+        return {**flink, **{key: value for key, value in derived.items() if flink.get(key) in (None, "")}}
 
     @field_validator("http", mode="before")
     @classmethod
