@@ -28,8 +28,10 @@ MAX_BATCH_BYTES = 3 * KAFKA_RECORD_BYTES
 # With max_delay_ms 0, more than a batch of a route ready at once goes to Python in one frame, up
 # to this many full batches and these many bytes (the last batch partial where they do not fill
 # it): one Python call, decode and encode for all of them, while the model still runs each batch
-# on its own (runtime/serve.py). Large requests stay a batch a frame.
-MAX_JOINED_BATCHES = 8
+# on its own (runtime/serve.py). Large requests stay a batch a frame: the bytes bind before the
+# count for requests over 256 bytes, and those of 1 KiB or more join as they did under 8 batches
+# (docs/benchmarks.md, "Frames of up to 32 batches").
+MAX_JOINED_BATCHES = 32
 MAX_JOINED_BYTES = 256 << 10
 FRAME = Types.PRIMITIVE_ARRAY(Types.BYTE())
 # What the Kafka source emits (KeyValueDeserializationSchema.java): the key as the uri, the value,
