@@ -201,6 +201,21 @@ def test_requests_due_at_once_go_as_one_frame_when_alike(jvm, count: int, alike:
     assert [uri for held in uris for uri in held] == [uri for uri, _ in records]
 
 
+def test_a_slice_of_a_uri_block_is_a_block_of_those_uris() -> None:
+    """by_batch cuts the rows of joined batches: a slice of a uris block is a block of the same
+    uris (any slice a list takes), made without decoding them."""
+    from cluster_serving.runtime.frames import UriBlock
+
+    uris = ["a", "bé", "", "c" * 300, "d-4", "e5"]
+    block = UriBlock(UriBlock.of(uris).block, len(uris))
+    for cut in (slice(0, 4), slice(4, None), slice(None), slice(2, 2), slice(5, 1), slice(-2, None), slice(1, -1), slice(0, 99)):
+        part = block[cut]
+        assert isinstance(part, UriBlock) and list(part) == uris[cut] and len(part) == len(uris[cut]), cut
+        assert bytes(part.block) == UriBlock.of(uris[cut]).block
+    assert "_items" not in vars(block), "slicing decoded the block"
+    assert block[::2] == uris[::2] and block[-1] == uris[-1]
+
+
 @pytest.mark.parametrize("batches", [3, 2.5])
 def test_a_frame_of_joined_batches_is_served_batch_by_batch(jvm, server: BatchServer, batches: float) -> None:
     """Batches the JVM joined into one frame (job/batch.py), the last one partial or not, run in

@@ -167,6 +167,25 @@ class UriBlock(_LazyBlock[str]):
             parts += (_U32.pack(len(key)), key)
         return UriBlock(b"".join(parts), len(uris))
 
+    def __getitem__(self, index):  # type: ignore[override]
+        """A uri, or a slice of them as a block of its own, whose bytes are neither decoded nor
+        written again (outcomes.by_batch cuts the rows of joined batches so)."""
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            return super().__getitem__(index)
+        start, stop, _ = index.indices(self.count)
+        stop = max(start, stop)
+        return UriBlock(memoryview(self.block)[self._offset(start):self._offset(stop)], stop - start)
+
+    def _offset(self, index: int) -> int:
+        """Where the uri at `index` starts in the block (its length: the block's end)."""
+        if index >= self.count:
+            return len(self.block)
+        view, at = memoryview(self.block), 0
+        for _ in range(index):
+            (length,) = _U32.unpack_from(view, at)
+            at += 4 + length
+        return at
+
     def _read(self, view: memoryview) -> tuple[list[str], int]:
         uris, at = [], 0
         for _ in range(self.count):
