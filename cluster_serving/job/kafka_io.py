@@ -37,13 +37,13 @@ RESULT_RECORD = Types.ROW_NAMED(["key", "value", "headers"], [Types.PRIMITIVE_AR
 # once it commits and never if it aborts, as Kafka Streams reads under exactly-once.
 SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.fetch.bytes": str(8 << 20),
                      "isolation.level": "read_committed"}
-# Results of a few milliseconds go to the broker in one request (as librdkafka's linger of 5 ms and
-# batches up to 1 MB do): the producer's default 16 KiB batch holds only ~150 small results, and a
-# request per millisecond cost the producer's thread and the broker, on the job's cores, more than
-# the results themselves (docs/benchmarks.md). Results up to the project's record limit (the
-# producer's own default is 1 MiB); cluster_serving/runtime/encode.py turns a larger one into an error
-# result, so the sink never meets a record it must refuse.
-SINK_PROPERTIES = {"linger.ms": "5", "batch.size": str(256 << 10), "max.request.size": str(KAFKA_RECORD_BYTES)}
+# Results of a millisecond go to the broker in one request of up to 256 KiB: the producer's default
+# 16 KiB batch holds only ~150 small results, too few under load; a linger of 1 ms, not Kafka's 5,
+# took 2 ms off each paced result for the same capacity (docs/benchmarks.md, "A linger of 1 ms").
+# Results up to the project's record limit (the producer's own default is 1 MiB);
+# cluster_serving/runtime/encode.py turns a larger one into an error result, so the sink never meets
+# a record it must refuse.
+SINK_PROPERTIES = {"linger.ms": "1", "batch.size": str(256 << 10), "max.request.size": str(KAFKA_RECORD_BYTES)}
 # The logger of every Flink metric group, and the one message of it that drop_committer_gauge_warning drops.
 METRIC_GROUP_LOGGER = "org.apache.flink.metrics.MetricGroup"
 COMMITTER_GAUGE_COLLISION = r"Name collision: Group already contains a Metric with the name 'pendingCommittables'\..*"
