@@ -39,8 +39,8 @@ SOURCE_PROPERTIES = {"partition.discovery.interval.ms": "10000", "max.partition.
                      "isolation.level": "read_committed"}
 # Results of a millisecond go to the broker in one request of up to 256 KiB: the producer's default
 # 16 KiB batch holds only ~150 small results, too few under load. A linger of 1 ms, not Kafka's 5:
-# under load a batch fills within it, and at a lighter load a result waits less (docs/benchmarks.md,
-# "A linger of 1 ms").
+# under load a millisecond's results already make a request of tens of KiB, and at a lighter load a
+# result waits less (docs/benchmarks.md, "A linger of 1 ms").
 # Results up to the project's record limit (the producer's own default is 1 MiB);
 # cluster_serving/runtime/encode.py turns a larger one into an error result, so the sink never meets
 # a record it must refuse.
