@@ -56,10 +56,11 @@ BROKER_LOG = "broker.log"
 # Logged by this broker once it serves (kafka.server.KafkaRaftServer, kept at INFO below).
 SERVER_STARTED = "Kafka Server started"
 # The JVM's heap: the broker of one developer's topics needs little; Flink shares the machine.
-# The serial collector, not Kafka's usual G1: on a few cores shared with the job and its clients,
-# G1's pauses stalled every request in flight, and the parallel collector's threads wait on each
-# other whenever one loses its core (docs/benchmarks.md, "Tuning history").
-JVM_OPTIONS = ["-Xms512m", "-Xmx1g", "-XX:+UseSerialGC", "-Djava.awt.headless=true"]
+# The parallel collector in a heap of fixed size and fixed generations, not Kafka's usual G1: on a
+# few cores shared with the job and its clients, every pause stalls each request in flight, and
+# this collector pauses least often and briefest; a heap that may grow once paused it for
+# hundreds of milliseconds as it grew (docs/benchmarks.md, "Tuning history").
+JVM_OPTIONS = ["-Xms1g", "-Xmx1g", "-XX:+UseParallelGC", "-XX:-UseAdaptiveSizePolicy", "-Djava.awt.headless=true"]
 
 # One node, so every internal topic has one replica. Group joins are not held back for late
 # members (Kafka's 3 s default suits clusters of many consumers, not a developer's machine), and
