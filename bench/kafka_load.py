@@ -21,7 +21,7 @@ from cluster_serving.client import DeliveryError, InputQueue
 from cluster_serving.client.queues import PRODUCER_SETTINGS
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.kafka.librdkafka import (
-    CONSUMER_DEFAULTS, PACING_SLEEP_S, fetched, gc_paused, paced, produce_waiting, topic_partitions,
+    CONSUMER_DEFAULTS, PACING_SLEEP_S, end_offsets, fetched, gc_paused, paced, produce_waiting, topic_partitions,
 )
 from cluster_serving.wire.codec import EncodedImage, decode_message
 from cluster_serving.wire.open_inference import decode_answer
@@ -66,9 +66,9 @@ class ResultReader:
         self.duplicates = 0
 
     def end_offsets(self) -> dict[int, int]:
-        """Each partition's end offset now."""
-        return {p.partition: self.consumer.get_watermark_offsets(p, timeout=METADATA_TIMEOUT_S, cached=False)[1]
-                for p in self.partitions}
+        """Each partition's end offset now, asked again while a topic created a moment ago has no
+        leader yet."""
+        return {p.partition: p.offset for p in end_offsets(self.consumer, self.topic, METADATA_TIMEOUT_S)}
 
     def written(self) -> int:
         """Results on the topic now, all partitions (their end offsets)."""

@@ -14,12 +14,12 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer
 from confluent_kafka import Message as Record
 
 from cluster_serving.config import KAFKA_RECORD_BYTES
 from cluster_serving.kafka.clients import client_or_config_error
-from cluster_serving.kafka.librdkafka import fetched
+from cluster_serving.kafka.librdkafka import end_offsets, fetched
 from cluster_serving.wire.codec import DecodeError, Message, decode_message
 
 log = logging.getLogger(__name__)
@@ -57,11 +57,7 @@ class ResultWaiter:
         partitions = self._consumer.list_topics(self.topic, timeout=timeout_s).topics[self.topic].partitions
         if not partitions:
             raise RuntimeError(f"result topic {self.topic!r} has no partitions (does it exist?)")
-        self._consumer.assign([
-            TopicPartition(self.topic, pid, self._consumer.get_watermark_offsets(
-                TopicPartition(self.topic, pid), timeout=timeout_s)[1])
-            for pid in sorted(partitions)
-        ])
+        self._consumer.assign(end_offsets(self._consumer, self.topic, timeout_s))
 
     @property
     def alive(self) -> bool:
